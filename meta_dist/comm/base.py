@@ -1,0 +1,660 @@
+"""Communicator: the one interface for moving array data, shared by the MPI and NCCL backends.
+
+Imports numpy, mpi4py (for the host-side consistency check) and meta_dist.connector / xp.
+This module owns, once for every backend: the docstring of each collective, argument checks with
+identical messages, fusion of a list of arrays into one buffer, the cross-rank shape/dtype check,
+a stall timeout, and the asynchronous (``*_async``) variants. A backend implements only the
+``_allreduce``-style primitives on flat, contiguous 1-D buffers.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from meta_dist.connector import MPIConnector
+from meta_dist.xp import array_module
+
+REDUCE_OPS = ("sum", "avg", "max", "min", "prod")
+SCATTER_OPS = ("sum", "avg")
+DTYPES = tuple(np.dtype(d) for d in ("float16", "float32", "float64", "int32", "int64", "uint8"))
+DEFAULT_STALL_TIMEOUT_S = 300.0
+_KINDS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "send", "recv")
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    return default if value is None else value.strip().lower() not in ("0", "false", "no", "")
+
+
+def shape_code(shapes: Sequence[tuple[int, ...]]) -> int:
+    """Return a deterministic 62-bit code of a list of shapes (same on every rank and run)."""
+    code = 1469598103934665603
+    for shape in shapes:
+        for dim in (len(shape), *shape):
+            code = ((code ^ (dim + 0x9E37)) * 1099511628211) % (1 << 62)
+        code = (code * 31 + 7) % (1 << 62)
+    return code
+
+
+class Handle:
+    """A pending asynchronous collective; ``wait()`` returns its result (or raises its error)."""
+
+    def __init__(self, run: Callable[[], Any]) -> None:
+        self._run = run
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def _execute(self) -> None:
+        try:
+            self._result = self._run()
+        except BaseException as error:  # handed to the waiting thread, not lost in the worker
+            self._error = error
+        finally:
+            self._event.set()
+
+    def done(self) -> bool:
+        """Return True when the collective has finished (successfully or not)."""
+        return self._event.is_set()
+
+    def wait(self) -> Any:
+        """Block until the collective has finished and return its result."""
+        self._event.wait()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+class Communicator(ABC):
+    """Collectives on arrays among the ranks of a connector, with one of two backends.
+
+    Every collective takes one array or a list of arrays. A list is fused: packed into one
+    reused buffer, moved with one collective, and split back, so many small arrays cost about
+    one large call. Lists must share one dtype. Inputs may be non-contiguous (they are copied);
+    an ``out`` buffer must be contiguous and writeable. ``out`` may be the input itself, which
+    makes the operation in place. Supported dtypes: float16, float32, float64, int32, int64,
+    uint8. Reduction ops: "sum", "avg" (floating dtypes only: the sum divided by size once),
+    "max", "min", "prod".
+
+    Before each collective the ranks compare a fingerprint of (operation, op, root, dtype,
+    shapes) with one small allreduce on the host; a difference raises ValueError on every rank
+    naming each rank's arrays, instead of a hang or garbage. Set META_DIST_CHECK=0 or pass
+    ``check=False`` to skip it. A rank that waits longer than ``stall_timeout`` seconds for its
+    peers to reach the same collective raises RuntimeError (and the connector's abort hook ends
+    the job), so a rank that took another path never leaves the job hanging silently.
+
+    The ``*_async`` variants return a Handle at once; the operations run in order on one
+    communication thread. Do not touch their arrays until ``wait()`` returns.
+
+    Args:
+        connector: the MPI world these ranks belong to.
+        check: compare shapes and dtypes across ranks before each collective.
+        stall_timeout: seconds to wait for peers to reach a collective (None: forever).
+    """
+
+    backend_name = "base"
+
+    def __init__(
+        self,
+        connector: MPIConnector,
+        *,
+        check: bool | None = None,
+        stall_timeout: float | None = DEFAULT_STALL_TIMEOUT_S,
+    ) -> None:
+        self.connector = connector
+        self.rank = connector.rank
+        self.size = connector.size
+        self.check = _env_flag("META_DIST_CHECK", True) if check is None else check
+        self.stall_timeout = stall_timeout
+        self._check_comm: MPI.Comm | None = connector.comm.Dup()
+        self._fusion: dict[tuple[Any, np.dtype], Any] = {}
+        self._queue: queue.Queue[Handle | None] | None = None
+        self._worker: threading.Thread | None = None
+        self._pending = 0
+        self._lock = threading.Lock()
+        self.closed = False
+
+    # ---------------------------------------------------------------- public collectives
+
+    def allreduce(self, send: Any, op: str = "sum", *, out: Any = None) -> Any:
+        """Reduce arrays element-wise across ranks; every rank gets the result.
+
+        Collective: every rank must call this, in the same order, with the same shapes and dtype.
+
+        Args:
+            send: an array, or a list of arrays of one dtype (fused into one collective).
+            op: "sum", "avg", "max", "min" or "prod".
+            out: where to write the result (same shapes); ``out=send`` reduces in place.
+                None allocates new arrays.
+
+        Returns:
+            The reduced array (or list of arrays), which is ``out`` when given.
+        """
+        return self._sync(self._allreduce_plan(send, op, out))
+
+    def allreduce_async(self, send: Any, op: str = "sum", *, out: Any = None) -> Handle:
+        """Start ``allreduce`` and return a Handle; see ``allreduce``. Collective."""
+        return self._submit(self._allreduce_plan(send, op, out))
+
+    def reduce_scatter(self, send: Any, op: str = "sum", *, out: Any = None) -> Any:
+        """Reduce arrays across ranks and leave each rank its part along axis 0.
+
+        Rank r gets rows ``[r*m, (r+1)*m)`` of the reduced array, where ``m = len(send) // size``.
+        The length along axis 0 must divide by size: pad it (``meta_dist.zero.partition``
+        has ``padded_size``) or use allreduce. Collective: every rank must call this, in the
+        same order, with the same shapes and dtype.
+
+        Args:
+            send: an array of shape (size*m, ...), or a list of such arrays of one dtype.
+            op: "sum" or "avg".
+            out: arrays of shape (m, ...) for the result; the matching rows of ``send``
+                make it in place (``out=send[rank*m:(rank+1)*m]``). None allocates.
+
+        Returns:
+            This rank's part (or a list of parts).
+        """
+        return self._sync(self._reduce_scatter_plan(send, op, out))
+
+    def reduce_scatter_async(self, send: Any, op: str = "sum", *, out: Any = None) -> Handle:
+        """Start ``reduce_scatter`` and return a Handle; see ``reduce_scatter``. Collective."""
+        return self._submit(self._reduce_scatter_plan(send, op, out))
+
+    def allgather(self, send: Any, *, out: Any = None) -> Any:
+        """Concatenate every rank's array along axis 0, in rank order, on every rank.
+
+        Collective: every rank must call this, in the same order, with the same shapes and dtype.
+
+        Args:
+            send: an array of shape (m, ...), or a list of arrays of one dtype.
+            out: arrays of shape (size*m, ...); if ``send`` is ``out[rank*m:(rank+1)*m]``
+                the gather is in place. None allocates.
+
+        Returns:
+            The gathered array (or list of arrays).
+        """
+        return self._sync(self._allgather_plan(send, out))
+
+    def allgather_async(self, send: Any, *, out: Any = None) -> Handle:
+        """Start ``allgather`` and return a Handle; see ``allgather``. Collective."""
+        return self._submit(self._allgather_plan(send, out))
+
+    def broadcast(self, buf: Any, root: int = 0, *, out: Any = None) -> Any:
+        """Copy rank ``root``'s array to every rank.
+
+        Collective: every rank must call this, in the same order, with the same shapes and dtype
+        (on non-root ranks ``buf`` gives the shape and dtype; its values are ignored).
+
+        Args:
+            buf: an array or a list of arrays of one dtype.
+            root: the rank whose values are sent.
+            out: where to write the result; ``out=buf`` broadcasts in place. None allocates.
+
+        Returns:
+            Root's array (or list), which is ``out`` when given.
+        """
+        return self._sync(self._broadcast_plan(buf, root, out))
+
+    def broadcast_async(self, buf: Any, root: int = 0, *, out: Any = None) -> Handle:
+        """Start ``broadcast`` and return a Handle; see ``broadcast``. Collective."""
+        return self._submit(self._broadcast_plan(buf, root, out))
+
+    def reduce(self, send: Any, root: int = 0, op: str = "sum", *, out: Any = None) -> Any:
+        """Reduce arrays element-wise across ranks onto rank ``root`` only.
+
+        Collective: every rank must call this, in the same order, with the same shapes and dtype.
+
+        Args:
+            send: an array, or a list of arrays of one dtype.
+            root: the rank that receives the result.
+            op: "sum", "avg", "max", "min" or "prod".
+            out: where root writes the result (ignored elsewhere); ``out=send`` is in place.
+
+        Returns:
+            The reduced array (or list) on root; None on every other rank.
+        """
+        return self._sync(self._reduce_plan(send, root, op, out))
+
+    def reduce_async(self, send: Any, root: int = 0, op: str = "sum", *, out: Any = None) -> Handle:
+        """Start ``reduce`` and return a Handle; see ``reduce``. Collective."""
+        return self._submit(self._reduce_plan(send, root, op, out))
+
+    def send(self, send: Any, peer: int) -> None:
+        """Send an array (or a fused list) to rank ``peer``, which must call ``recv``.
+
+        Blocks until the data is handed to the library; the matching ``recv`` must use the same
+        shapes and dtype, or it raises ValueError after receiving the message (nothing is lost).
+        """
+        self._sync(self._send_plan(send, peer))
+
+    def recv(self, out: Any, peer: int) -> Any:
+        """Receive into ``out`` (an array or list of arrays) what rank ``peer`` sends; return it."""
+        return self._sync(self._recv_plan(out, peer))
+
+    def barrier(self) -> None:
+        """Wait until every rank has reached the barrier. Collective."""
+        self._sync(lambda: self._barrier())
+
+    def close(self) -> None:
+        """Finish pending asynchronous work and release buffers; later calls raise RuntimeError."""
+        if self.closed:
+            return
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join()
+        self._fusion.clear()
+        self._close_backend()
+        self._check_comm.Free()
+        self._check_comm = None
+        self.closed = True
+
+    # ---------------------------------------------------------------- plans (validate now, run later)
+
+    def _allreduce_plan(self, send: Any, op: str, out: Any) -> Callable[[], Any]:
+        sends, is_list = self._inputs("allreduce", send)
+        self._check_op("allreduce", op, REDUCE_OPS, sends[0].dtype)
+        outs = self._outputs("allreduce", out, [s.shape for s in sends], sends, is_list)
+
+        def run() -> Any:
+            self._fingerprint("allreduce", sends, op=op)
+            if not is_list:
+                self._allreduce(*_flat_pair(sends[0], outs[0]), op)
+            else:
+                buf = self._pack(sends, "allreduce")
+                self._allreduce(buf, buf, op)
+                self._unpack(buf, outs)
+            self._average(outs, op)
+            return outs if is_list else outs[0]
+
+        return run
+
+    def _reduce_scatter_plan(self, send: Any, op: str, out: Any) -> Callable[[], Any]:
+        sends, is_list = self._inputs("reduce_scatter", send)
+        self._check_op("reduce_scatter", op, SCATTER_OPS, sends[0].dtype)
+        for s in sends:
+            if s.ndim == 0 or s.shape[0] % self.size:
+                rows = s.shape[0] if s.ndim else "no axis 0"
+                raise ValueError(
+                    f"reduce_scatter: send has {rows} rows along axis 0 (shape {s.shape}), "
+                    f"size is {self.size}; expected a multiple of {self.size}; pad axis 0 "
+                    "(meta_dist.zero.partition.padded_size) or use allreduce"
+                )
+        shapes = [(s.shape[0] // self.size, *s.shape[1:]) for s in sends]
+        outs = self._outputs("reduce_scatter", out, shapes, sends, is_list)
+
+        def run() -> Any:
+            self._fingerprint("reduce_scatter", sends, op=op)
+            if not is_list:
+                self._reduce_scatter(_flat(sends[0]), _flat(outs[0]), op)
+            else:
+                # rank-major packing: rank r's segment holds row block r of every array
+                parts = [s.reshape(self.size, -1) for s in sends]
+                buf = self._pack([p[r] for r in range(self.size) for p in parts], "reduce_scatter")
+                seg = buf.size // self.size
+                mine = buf[self.rank * seg : (self.rank + 1) * seg]
+                self._reduce_scatter(buf, mine, op)
+                self._unpack(mine, outs)
+            self._average(outs, op)
+            return outs if is_list else outs[0]
+
+        return run
+
+    def _allgather_plan(self, send: Any, out: Any) -> Callable[[], Any]:
+        sends, is_list = self._inputs("allgather", send)
+        for s in sends:
+            if s.ndim == 0:
+                raise ValueError("allgather: send is 0-d; expected an array with axis 0")
+        shapes = [(s.shape[0] * self.size, *s.shape[1:]) for s in sends]
+        outs = self._outputs("allgather", out, shapes, sends, is_list)
+
+        def run() -> Any:
+            self._fingerprint("allgather", sends)
+            if not is_list:
+                self._allgather(_flat(sends[0]), _flat(outs[0]))
+                return outs[0]
+            seg = sum(s.size for s in sends)
+            buf = self._fusion_buffer(sends[0], seg * self.size, "allgather")
+            mine = buf[self.rank * seg : (self.rank + 1) * seg]
+            self._pack(sends, "allgather", into=mine)
+            self._allgather(mine, buf)
+            by_rank = buf.reshape(self.size, seg)
+            start = 0
+            for o, s in zip(outs, sends, strict=True):
+                o.reshape(self.size, -1)[...] = by_rank[:, start : start + s.size]
+                start += s.size
+            return outs
+
+        return run
+
+    def _broadcast_plan(self, buf: Any, root: int, out: Any) -> Callable[[], Any]:
+        bufs, is_list = self._inputs("broadcast", buf)
+        self._check_rank("broadcast", "root", root)
+        outs = self._outputs("broadcast", out, [b.shape for b in bufs], bufs, is_list)
+
+        def run() -> Any:
+            self._fingerprint("broadcast", bufs, root=root)
+            if not is_list:
+                if outs[0] is not bufs[0] and self.rank == root:
+                    outs[0][...] = bufs[0]
+                self._broadcast(_flat(outs[0]), root)
+            else:
+                fused = self._pack(bufs, "broadcast")
+                self._broadcast(fused, root)
+                self._unpack(fused, outs)
+            return outs if is_list else outs[0]
+
+        return run
+
+    def _reduce_plan(self, send: Any, root: int, op: str, out: Any) -> Callable[[], Any]:
+        sends, is_list = self._inputs("reduce", send)
+        self._check_rank("reduce", "root", root)
+        self._check_op("reduce", op, REDUCE_OPS, sends[0].dtype)
+        is_root = self.rank == root
+        outs = self._outputs("reduce", out if is_root else None, [s.shape for s in sends], sends,
+                             is_list) if is_root else None
+
+        def run() -> Any:
+            self._fingerprint("reduce", sends, op=op, root=root)
+            if not is_list:
+                self._reduce(*(_flat_pair(sends[0], outs[0]) if is_root else
+                               (_flat(sends[0]), None)), op, root)
+            else:
+                buf = self._pack(sends, "reduce")
+                self._reduce(buf, buf if is_root else None, op, root)
+                if is_root:
+                    self._unpack(buf, outs)
+            if not is_root:
+                return None
+            self._average(outs, op)
+            return outs if is_list else outs[0]
+
+        return run
+
+    def _send_plan(self, send: Any, peer: int) -> Callable[[], None]:
+        sends, is_list = self._inputs("send", send)
+        self._check_rank("send", "peer", peer)
+
+        def run() -> None:
+            if self.check:
+                header = np.array([DTYPES.index(sends[0].dtype), sum(s.size for s in sends),
+                                   shape_code([s.shape for s in sends])], np.int64)
+                self._check_comm.Send(header, dest=peer)
+            self._send(_flat(sends[0]) if not is_list else self._pack(sends, "send"), peer)
+
+        return run
+
+    def _recv_plan(self, out: Any, peer: int) -> Callable[[], Any]:
+        outs, is_list = self._inputs("recv", out)
+        self._check_rank("recv", "peer", peer)
+        for o in outs:
+            self._check_writable("recv", o)
+        total = sum(o.size for o in outs)
+
+        def run() -> Any:
+            if self.check:
+                header = np.empty(3, np.int64)
+                self._check_comm.Recv(header, source=peer)
+                sent_dtype = DTYPES[int(header[0])]
+                if (sent_dtype, int(header[1]), int(header[2])) != (
+                        outs[0].dtype, total, shape_code([o.shape for o in outs])):
+                    xp = array_module(outs[0])
+                    self._recv(xp.empty(int(header[1]), sent_dtype), peer)  # drain: lose nothing
+                    raise ValueError(
+                        f"recv: rank {peer} sent {int(header[1])} elements of {sent_dtype} "
+                        f"with other shapes; this rank ({self.rank}) expected {total} elements "
+                        f"of {outs[0].dtype} shaped {[o.shape for o in outs]}; send and recv "
+                        "must use the same shapes and dtype"
+                    )
+            if not is_list:
+                self._recv(_flat(outs[0]), peer)
+            else:
+                buf = self._fusion_buffer(outs[0], total, "recv")
+                self._recv(buf, peer)
+                self._unpack(buf, outs)
+            return outs if is_list else outs[0]
+
+        return run
+
+    # ---------------------------------------------------------------- shared checks
+
+    def _live(self, api: str) -> None:
+        if self.closed:
+            raise RuntimeError(
+                f"{api} called after close(); create a new communicator "
+                "(meta_dist.init() or meta_dist.make_communicator) first"
+            )
+
+    def _inputs(self, api: str, arrays: Any) -> tuple[list[Any], bool]:
+        self._live(api)
+        is_list = isinstance(arrays, (list, tuple))
+        items = list(arrays) if is_list else [arrays]
+        if not items:
+            raise ValueError(f"{api}: got an empty list; expected at least one array")
+        for i, a in enumerate(items):
+            if not hasattr(a, "dtype") or not hasattr(a, "shape"):
+                where = f" (item {i})" if is_list else ""
+                raise TypeError(f"{api}: expected a numpy or cupy array{where}; got {type(a)}")
+            if a.dtype not in DTYPES:
+                raise TypeError(
+                    f"{api}: unsupported dtype; got {a.dtype}, expected one of "
+                    f"{', '.join(str(d) for d in DTYPES)}"
+                )
+            if a.dtype != items[0].dtype:
+                raise TypeError(
+                    f"{api}: a fused list must share one dtype; got {items[0].dtype} (item 0) and "
+                    f"{a.dtype} (item {i}); convert them or call once per dtype"
+                )
+        self._check_arrays(api, items)
+        xp = array_module(items[0])
+        return [a if a.flags.c_contiguous else xp.ascontiguousarray(a) for a in items], is_list
+
+    def _check_arrays(self, api: str, arrays: list[Any]) -> None:
+        """Let a backend refuse arrays it cannot move (e.g. host arrays on NCCL)."""
+
+    def _outputs(self, api: str, out: Any, shapes: list[tuple[int, ...]], like: list[Any],
+                 is_list: bool) -> list[Any]:
+        if out is None:
+            xp = array_module(like[0])
+            return [xp.empty(shape, like[0].dtype) for shape in shapes]
+        outs = list(out) if isinstance(out, (list, tuple)) else [out]
+        if isinstance(out, (list, tuple)) != is_list or len(outs) != len(shapes):
+            raise ValueError(
+                f"{api}: out must match the input: {len(shapes)} "
+                f"{'arrays in a list' if is_list else 'array'}; got {type(out).__name__} "
+                f"of {len(outs)}"
+            )
+        for i, (o, shape) in enumerate(zip(outs, shapes, strict=True)):
+            if tuple(o.shape) != tuple(shape) or o.dtype != like[0].dtype:
+                raise ValueError(
+                    f"{api}: out[{i}] has shape {tuple(o.shape)} and dtype {o.dtype}; expected "
+                    f"shape {tuple(shape)} and dtype {like[0].dtype}"
+                )
+            self._check_writable(api, o)
+        return outs
+
+    def _check_writable(self, api: str, arr: Any) -> None:
+        if not arr.flags.c_contiguous:
+            raise ValueError(
+                f"{api}: output buffer is not contiguous (shape {arr.shape}, strides "
+                f"{arr.strides}); expected a C-contiguous array; pass a contiguous copy "
+                "and copy it back"
+            )
+        if not getattr(arr.flags, "writeable", True):
+            raise ValueError(
+                f"{api}: output buffer is read-only; expected a writeable array; "
+                "pass out=None or a writeable copy"
+            )
+
+    def _check_op(self, api: str, op: str, allowed: tuple[str, ...], dtype: np.dtype) -> None:
+        if op not in allowed:
+            raise ValueError(f"{api}: unknown op; got {op!r}, expected one of {', '.join(allowed)}")
+        if op == "avg" and dtype.kind != "f":
+            raise TypeError(
+                f"{api}: op 'avg' needs a floating dtype; got {dtype}; use op='sum' and divide, "
+                "or convert to float"
+            )
+
+    def _check_rank(self, api: str, what: str, value: int) -> None:
+        if not isinstance(value, (int, np.integer)) or not 0 <= value < self.size:
+            raise ValueError(
+                f"{api}: {what} out of range; got {value}, expected 0 <= {what} < {self.size}"
+            )
+
+    # ---------------------------------------------------------------- fusion and averaging
+
+    def _fusion_buffer(self, like: Any, numel: int, api: str) -> Any:
+        """Return a reused buffer of ``numel`` elements; fresh ones cost page faults every call."""
+        xp = array_module(like)
+        key = (xp.__name__, like.dtype)
+        buf = self._fusion.get(key)
+        if buf is None or buf.size < numel:
+            buf = xp.empty(numel, like.dtype)
+            self._fusion[key] = buf
+        return buf[:numel]
+
+    def _pack(self, arrays: list[Any], api: str, into: Any = None) -> Any:
+        total = sum(a.size for a in arrays)
+        buf = self._fusion_buffer(arrays[0], total, api) if into is None else into
+        start = 0
+        for a in arrays:
+            buf[start : start + a.size] = a.reshape(-1)
+            start += a.size
+        return buf
+
+    @staticmethod
+    def _unpack(buf: Any, outs: list[Any]) -> None:
+        start = 0
+        for o in outs:
+            o.reshape(-1)[...] = buf[start : start + o.size]
+            start += o.size
+
+    def _average(self, outs: list[Any], op: str) -> None:
+        """Divide sums by size for op "avg": the only place gradients get averaged."""
+        if op == "avg" and self.size > 1:
+            for o in outs:
+                o /= o.dtype.type(self.size)
+
+    # ---------------------------------------------------------------- the cross-rank check
+
+    def _fingerprint(self, api: str, arrays: list[Any], op: str = "", root: int = -1) -> None:
+        """Raise ValueError on every rank if the ranks called different collectives or shapes."""
+        if self.size == 1 or not self.check:
+            return
+        mine = np.array([_KINDS.index(api), (REDUCE_OPS + ("",)).index(op), root,
+                         DTYPES.index(arrays[0].dtype), len(arrays),
+                         shape_code([a.shape for a in arrays])], np.int64)
+        both = np.concatenate([mine, -mine])
+        self._wait_for_peers(api, self._check_comm.Iallreduce(MPI.IN_PLACE, both, op=MPI.MAX))
+        if np.array_equal(both[:6], -both[6:]):
+            return
+        described = f"{api} of {', '.join(f'{a.dtype} {tuple(a.shape)}' for a in arrays)}"
+        everyone = self._check_comm.allgather(described)
+        listing = "; ".join(f"rank {r}: {d}" for r, d in enumerate(everyone))
+        raise ValueError(
+            f"{api}: the ranks passed different arrays or called different collectives: "
+            f"{listing}; every rank must call the same collective with the same shapes, dtype, "
+            "op and root"
+        )
+
+    def _wait_for_peers(self, api: str, request: MPI.Request) -> None:
+        """Wait for a request, raising RuntimeError if peers are missing past stall_timeout."""
+        if self.stall_timeout is None:
+            request.Wait()
+            return
+        spins = 0
+        deadline = time.monotonic() + self.stall_timeout
+        while not request.Test():
+            spins += 1
+            if spins > 200:  # spin briefly for latency, then yield the core to peers
+                time.sleep(0.0002 if spins < 20000 else 0.005)
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"{api}: rank {self.rank} waited {self.stall_timeout:.0f} s for the other "
+                        "ranks to reach this collective; some rank took another path (different "
+                        "control flow, an uneven last batch) or is stuck; the job is aborted"
+                    )
+
+    # ---------------------------------------------------------------- running now or on the worker
+
+    def _sync(self, run: Callable[[], Any]) -> Any:
+        with self._lock:
+            idle = self._pending == 0
+        if idle:  # nothing queued: run here, in order, without a thread hop
+            return run()
+        return self._submit(run).wait()
+
+    def _submit(self, run: Callable[[], Any]) -> Handle:
+        handle = Handle(run)
+        if self._worker is None:
+            self._queue = queue.Queue()
+            self._worker = threading.Thread(target=self._work, name="meta_dist-comm", daemon=True)
+            self._worker.start()
+        with self._lock:
+            self._pending += 1
+        self._queue.put(handle)
+        return handle
+
+    def _work(self) -> None:
+        while True:
+            handle = self._queue.get()
+            if handle is None:
+                return
+            handle._execute()
+            with self._lock:
+                self._pending -= 1
+
+    # ---------------------------------------------------------------- backend primitives
+
+    @abstractmethod
+    def _allreduce(self, send: Any, recv: Any, op: str) -> None:
+        """Reduce flat ``send`` into flat ``recv`` (same object means in place); avg is done here as sum."""
+
+    @abstractmethod
+    def _reduce_scatter(self, send: Any, recv: Any, op: str) -> None:
+        """Reduce flat ``send`` (size*m) and write this rank's m elements into ``recv``."""
+
+    @abstractmethod
+    def _allgather(self, send: Any, recv: Any) -> None:
+        """Gather flat ``send`` (m) from every rank into ``recv`` (size*m), in rank order."""
+
+    @abstractmethod
+    def _broadcast(self, buf: Any, root: int) -> None:
+        """Overwrite flat ``buf`` with root's ``buf``."""
+
+    @abstractmethod
+    def _reduce(self, send: Any, recv: Any, op: str, root: int) -> None:
+        """Reduce flat ``send`` into ``recv`` on root (recv is None elsewhere)."""
+
+    @abstractmethod
+    def _send(self, buf: Any, peer: int) -> None:
+        """Send flat ``buf`` to ``peer``."""
+
+    @abstractmethod
+    def _recv(self, buf: Any, peer: int) -> None:
+        """Receive into flat ``buf`` from ``peer``."""
+
+    @abstractmethod
+    def _barrier(self) -> None:
+        """Block until every rank arrives."""
+
+    def _close_backend(self) -> None:
+        """Release backend resources (called once by close())."""
+
+
+def _flat_pair(send: Any, out: Any) -> tuple[Any, Any]:
+    """Return flat views of send and out; the same object when out is send (in place)."""
+    flat = _flat(send)
+    return (flat, flat) if out is send else (flat, _flat(out))
+
+
+def _flat(arr: Any) -> Any:
+    """Return a 1-D view of a contiguous array (no copy)."""
+    return arr.reshape(-1)

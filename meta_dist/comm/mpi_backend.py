@@ -1,0 +1,190 @@
+"""MpiCommunicator: collectives on host (numpy) buffers through mpi4py.
+
+Imports numpy, mpi4py and meta_dist.comm.base. CuPy arrays are moved through CUDA-aware MPI when
+the MPI library says it is one, otherwise staged through reused host buffers (see
+``meta_dist.comm.staging``).
+
+Small messages go straight to the library (its latency is hard to beat). Large reductions use a
+pairwise exchange on persistent buffers: for k = 1..size-1 each rank sends the chunk owned by
+rank+k and receives its own chunk's contribution from rank-k, adding it with numpy, segment by
+segment so the scratch stays in cache; an allreduce then gathers the chunks. Open MPI allocates
+and first-touches fresh scratch memory inside every large MPI_Allreduce and
+MPI_Reduce_scatter_block, which costs more than the data movement itself (see DESIGN.md); reused
+buffers avoid that. Each chunk is reduced by exactly one rank and then copied, so every rank ends
+with bit-identical results.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from meta_dist.comm.base import Communicator
+from meta_dist.connector import MPIConnector
+
+MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
+UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+PAIRWISE_MIN_BYTES = 256 * 1024
+# Open MPI 5.0's MPI_SUM on MPI_UNSIGNED_CHAR saturates at 255 (seen with the PyPI wheel) where
+# numpy and C wrap modulo 256; these dtypes are always reduced by numpy in the pairwise path.
+NUMPY_REDUCED_DTYPES = (np.dtype(np.uint8),)
+SEGMENT_BYTES = 512 * 1024
+
+
+def _ptr(arr: np.ndarray) -> int:
+    return arr.__array_interface__["data"][0]
+
+
+class MpiCommunicator(Communicator):
+    """Communicator on numpy arrays over MPI. See ``Communicator`` for every collective.
+
+    Args:
+        connector: the MPI world.
+        pairwise_min_bytes: reductions of at least this many bytes use the pairwise exchange
+            on reused buffers; smaller ones call the library directly.
+        segment_bytes: size of one pairwise step's message (the scratch buffer's size).
+        **kwargs: ``check`` and ``stall_timeout``, see ``Communicator``.
+    """
+
+    backend_name = "mpi"
+
+    def __init__(
+        self,
+        connector: MPIConnector,
+        *,
+        pairwise_min_bytes: int = PAIRWISE_MIN_BYTES,
+        segment_bytes: int = SEGMENT_BYTES,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(connector, **kwargs)
+        self._comm: MPI.Comm = connector.comm.Dup()
+        self.pairwise_min_bytes = pairwise_min_bytes
+        self.segment_bytes = segment_bytes
+        self._scratch: dict[np.dtype, np.ndarray] = {}
+
+    # ---------------------------------------------------------------- primitives
+
+    def _allreduce(self, send: np.ndarray, recv: np.ndarray, op: str) -> None:
+        if self.size == 1:
+            if recv is not send:
+                recv[...] = send
+            return
+        if self._library_reduces(send):
+            self._comm.Allreduce(MPI.IN_PLACE if recv is send else send, recv, op=MPI_OPS[op])
+            return
+        bounds = _chunk_bounds(send.size, self.size)
+        lo, hi = bounds[self.rank], bounds[self.rank + 1]
+        self._pairwise_reduce(send, recv[lo:hi], bounds, op)
+        counts = [bounds[r + 1] - bounds[r] for r in range(self.size)]
+        self._comm.Allgatherv(MPI.IN_PLACE, [recv, counts, bounds[:-1], _mpi_type(recv)])
+
+    def _reduce_scatter(self, send: np.ndarray, recv: np.ndarray, op: str) -> None:
+        if self.size == 1:
+            if recv is not send:
+                recv[...] = send
+            return
+        if self._library_reduces(send):
+            if _ptr(recv) == _ptr(send) + self.rank * recv.nbytes:
+                # MPI_IN_PLACE would overwrite rows 0..m of send; go through scratch instead
+                scratch = self._scratch_buffer(recv.dtype, recv.size)[: recv.size]
+                self._comm.Reduce_scatter_block(send, scratch, op=MPI_OPS[op])
+                recv[...] = scratch
+            else:
+                self._comm.Reduce_scatter_block(send, recv, op=MPI_OPS[op])
+            return
+        bounds = [r * recv.size for r in range(self.size + 1)]
+        self._pairwise_reduce(send, recv, bounds, op)
+
+    def _allgather(self, send: np.ndarray, recv: np.ndarray) -> None:
+        if self.size == 1:
+            if _ptr(recv) != _ptr(send):
+                recv[...] = send
+            return
+        in_place = _ptr(send) == _ptr(recv) + self.rank * send.nbytes
+        self._comm.Allgather(MPI.IN_PLACE if in_place else send, recv)
+
+    def _broadcast(self, buf: np.ndarray, root: int) -> None:
+        if self.size > 1:
+            self._comm.Bcast(buf, root=root)
+
+    def _reduce(self, send: np.ndarray, recv: np.ndarray | None, op: str, root: int) -> None:
+        if self.size == 1:
+            if recv is not send:
+                recv[...] = send
+            return
+        if send.dtype in NUMPY_REDUCED_DTYPES:  # see NUMPY_REDUCED_DTYPES; rare, so no fast path
+            total = np.empty_like(send)
+            self._allreduce(send, total, op)
+            if recv is not None:
+                recv[...] = total
+            return
+        if self.rank == root:
+            self._comm.Reduce(MPI.IN_PLACE if recv is send else send, recv, op=MPI_OPS[op],
+                              root=root)
+        else:
+            self._comm.Reduce(send, None, op=MPI_OPS[op], root=root)
+
+    def _send(self, buf: np.ndarray, peer: int) -> None:
+        self._comm.Send(buf, dest=peer)
+
+    def _recv(self, buf: np.ndarray, peer: int) -> None:
+        self._comm.Recv(buf, source=peer)
+
+    def _barrier(self) -> None:
+        self._comm.Barrier()
+
+    def _close_backend(self) -> None:
+        self._scratch.clear()
+        self._comm.Free()
+
+    # ---------------------------------------------------------------- the pairwise reduction
+
+    def _library_reduces(self, send: np.ndarray) -> bool:
+        return send.nbytes < self.pairwise_min_bytes and send.dtype not in NUMPY_REDUCED_DTYPES
+
+    def _pairwise_reduce(self, send: np.ndarray, mine: np.ndarray, bounds: list[int],
+                         op: str) -> None:
+        """Reduce chunk ``rank`` of ``send`` (bounded by ``bounds``) into ``mine`` across ranks.
+
+        ``mine`` may be that chunk of ``send`` itself (in place). Step k sends chunk rank+k and
+        receives from rank-k, in segments; every rank walks the same number of segments, so the
+        Sendrecv calls always pair up even when chunk sizes differ.
+        """
+        ufunc = UFUNCS[op]
+        own = send[bounds[self.rank] : bounds[self.rank + 1]]
+        if _ptr(mine) != _ptr(own):
+            mine[...] = own
+        seg = max(1, self.segment_bytes // send.itemsize)
+        longest = max(bounds[r + 1] - bounds[r] for r in range(self.size))
+        scratch = self._scratch_buffer(send.dtype, min(seg, longest))
+        for k in range(1, self.size):
+            to, frm = (self.rank + k) % self.size, (self.rank - k) % self.size
+            out_chunk = send[bounds[to] : bounds[to + 1]]
+            for start in range(0, longest, seg):
+                piece = out_chunk[start : start + seg]
+                part = mine[start : start + seg]
+                got = scratch[: part.size]
+                self._comm.Sendrecv(piece, dest=to, recvbuf=got, source=frm)
+                ufunc(part, got, out=part)
+
+    def _scratch_buffer(self, dtype: np.dtype, numel: int) -> np.ndarray:
+        buf = self._scratch.get(dtype)
+        if buf is None or buf.size < numel:
+            buf = np.empty(numel, dtype)
+            self._scratch[dtype] = buf
+        return buf
+
+
+def _chunk_bounds(numel: int, parts: int) -> list[int]:
+    """Return parts+1 boundaries splitting numel elements as evenly as possible."""
+    base, extra = divmod(numel, parts)
+    bounds = [0]
+    for r in range(parts):
+        bounds.append(bounds[-1] + base + (1 if r < extra else 0))
+    return bounds
+
+
+def _mpi_type(arr: np.ndarray) -> MPI.Datatype:
+    return MPI._typedict[arr.dtype.char]

@@ -1,0 +1,537 @@
+"""Run configuration: train_config and meta_dist_config as frozen dataclasses, loaded in layers.
+
+Leaf module: imports yaml and the standard library (dataclasses, difflib, pathlib, re, typing),
+nothing from meta_dist; scripts and the trainer import it.
+
+Layers, lowest to highest: defaults in code, the dicts a script passes, a YAML file (overrides
+only), then ``KEY=VALUE`` words from the command line. Every value is checked when it is set, and
+every combination before anything else happens, so a bad config fails on every rank before the
+first collective, with the key, the value, the rule and where the value came from.
+
+Environment variables (the one place they are documented):
+    META_DIST_MPIRUN: the mpirun launcher used by tests and scripts (default ``mpirun``).
+    META_DIST_CHECK: ``0`` disables the cross-rank shape/dtype check in collectives (it costs one
+        small allgather per call).
+    META_DIST_CUDA_AWARE_MPI: ``1`` or ``0`` overrides detection of CUDA-aware MPI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, get_args, get_origin, get_type_hints
+
+import yaml
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+TRAIN = "train_config"
+DIST = "meta_dist_config"
+COMMAND_LINE = "command line"
+USAGE = "usage: <script> [--config PATH] [KEY=VALUE ...]"
+
+
+def _choice(*choices: Any, hints: dict | None = None) -> Any:
+    """Return a field that takes one of ``choices``, the first being the default."""
+    return field(default=choices[0], metadata={"choices": choices, "hints": hints or {}})
+
+
+def _rule(default: Any, rule: str, check: Callable[[Any], bool]) -> Any:
+    """Return a field whose values must pass ``check``, described to users as ``rule``."""
+    return field(default=default, metadata={"rule": rule, "check": check})
+
+
+class _Validated:
+    """Mixin: check every field, then the combinations, when an instance is built directly."""
+
+    def __post_init__(self) -> None:
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        label = f"{type(self).__name__}(...)"
+        for name, value in _check_section(_SECTION_OF[type(self)], values, {}, label).items():
+            object.__setattr__(self, name, value)  # lists become tuples, ints become floats
+
+    @staticmethod
+    def _check_together(values: dict[str, Any], where: Callable[..., str]) -> None:
+        """Raise ValueError for a contradictory combination of valid values."""
+
+
+@dataclass(frozen=True)
+class DistConfig(_Validated):
+    """How training is distributed (the user-facing dict is ``meta_dist_config``).
+
+    Attributes:
+        enable_data_parallel: Split each global batch across ranks and average gradients.
+        zero_opt_level: 0 (plain data parallelism), 1 (optimizer state sharded) or 2 (gradients
+            sharded too). ZeRO-3 is not supported yet.
+        bucket_size_mb: Gradient bucket size in MiB, as PyTorch DDP's ``bucket_cap_mb``.
+        overlap_comm: Reduce full buckets while backward continues.
+        backend: ``auto``, ``mpi`` or ``nccl``.
+        device: ``auto``, ``cpu`` or ``cuda``.
+        seed: Seed for parameter init and data order; the same on every rank.
+    """
+
+    enable_data_parallel: bool = True
+    zero_opt_level: int = _choice(
+        0, 1, 2, hints={3: "ZeRO-3 (parameter partitioning) is not supported yet; use 0, 1 or 2"}
+    )
+    bucket_size_mb: float = _rule(25.0, "> 0", lambda v: v > 0)
+    overlap_comm: bool = True
+    backend: str = _choice("auto", "mpi", "nccl")
+    device: str = _choice("auto", "cpu", "cuda")
+    seed: int = _rule(0, ">= 0", lambda v: v >= 0)
+
+    @staticmethod
+    def _check_together(values: dict[str, Any], where: Callable[..., str]) -> None:
+        if not values["enable_data_parallel"] and values["zero_opt_level"] > 0:
+            raise ValueError(
+                f"{where('enable_data_parallel', 'zero_opt_level')}: {DIST}.zero_opt_level needs "
+                f"{DIST}.enable_data_parallel; got enable_data_parallel=False, zero_opt_level="
+                f"{values['zero_opt_level']}, expected zero_opt_level 0 when "
+                "enable_data_parallel is false; ZeRO partitions across data-parallel ranks, so "
+                "set enable_data_parallel: true or zero_opt_level: 0"
+            )
+        if values["backend"] == "nccl" and values["device"] == "cpu":
+            raise ValueError(
+                f"{where('backend', 'device')}: {DIST}.backend and {DIST}.device contradict; got "
+                "backend='nccl', device='cpu', expected device 'cuda' or 'auto' with nccl; NCCL "
+                "moves GPU arrays only, so set backend: mpi or device: cuda"
+            )
+
+
+@dataclass(frozen=True)
+class TrainConfig(_Validated):
+    """What is trained and how (the user-facing dict is ``train_config``).
+
+    Attributes:
+        n_epoch: Number of epochs.
+        n_mini_batch: Mini-batches per epoch.
+        batch_size: Global batch size, split evenly across ranks.
+        input_shape: Shape of one sample (YAML lists are accepted).
+        num_classes: Number of output classes.
+        optimizer: ``sgd``, ``adam`` or ``adamw``.
+        lr: Learning rate.
+        momentum: SGD momentum.
+        nesterov: Use Nesterov momentum (SGD).
+        weight_decay: L2 penalty (sgd, adam) or decoupled decay (adamw).
+        betas: Adam's moment decay rates.
+        eps: Adam's denominator term.
+        dtype: ``float32`` or ``float64`` for parameters, gradients and optimizer state.
+        data_path: An ``.npz`` file with arrays ``x`` and ``y``; None means synthetic data.
+            Relative paths are taken from the working directory.
+        log_every: Print the loss every this many mini-batches.
+    """
+
+    n_epoch: int = _rule(3, ">= 1", lambda v: v >= 1)
+    n_mini_batch: int = _rule(8, ">= 1", lambda v: v >= 1)
+    batch_size: int = _rule(64, ">= 1", lambda v: v >= 1)
+    input_shape: tuple[int, ...] = _rule(
+        (3, 28, 28), "a non-empty list of sizes > 0", lambda v: len(v) > 0 and min(v) > 0
+    )
+    num_classes: int = _rule(10, ">= 2", lambda v: v >= 2)
+    optimizer: str = _choice("sgd", "adam", "adamw")
+    lr: float = _rule(0.05, ">= 0", lambda v: v >= 0)
+    momentum: float = _rule(0.9, ">= 0", lambda v: v >= 0)
+    nesterov: bool = False
+    weight_decay: float = _rule(0.0, ">= 0", lambda v: v >= 0)
+    betas: tuple[float, float] = _rule(
+        (0.9, 0.999), "each in [0, 1)", lambda v: all(0 <= b < 1 for b in v)
+    )
+    eps: float = _rule(1e-8, ">= 0", lambda v: v >= 0)
+    dtype: str = _choice("float32", "float64")
+    data_path: str | None = None
+    log_every: int = _rule(1, ">= 1", lambda v: v >= 1)
+
+    @staticmethod
+    def _check_together(values: dict[str, Any], where: Callable[..., str]) -> None:
+        if values["optimizer"] == "sgd" and values["nesterov"] and values["momentum"] == 0:
+            raise ValueError(
+                f"{where('nesterov', 'momentum')}: {TRAIN}.nesterov needs {TRAIN}.momentum; got "
+                "nesterov=True, momentum=0.0, expected momentum > 0 with nesterov and sgd; set "
+                "momentum or nesterov: false"
+            )
+        path = values["data_path"]
+        if path is not None and not Path(path).is_file():
+            raise ValueError(
+                f"{where('data_path')}: train_config.data_path file not found; got {path!r}, "
+                f"expected an existing .npz file with arrays x, y (looked in {Path.cwd()}); "
+                "fix the path or set data_path: null for synthetic data"
+            )
+
+
+@dataclass(frozen=True)
+class Config:
+    """The resolved configuration of one run.
+
+    Attributes:
+        train: What is trained and how.
+        dist: How it is distributed.
+        sources: Where each value came from, by dotted key (``"meta_dist_config.backend"``):
+            ``"default"``, ``"script"``, the YAML file's path or ``"command line"``.
+    """
+
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def as_dicts(self) -> dict[str, dict[str, Any]]:
+        """Return ``{"train_config": {...}, "meta_dist_config": {...}}`` as plain Python (lists)."""
+        return {
+            TRAIN: _plain(dataclasses.asdict(self.train)),
+            DIST: _plain(dataclasses.asdict(self.dist)),
+        }
+
+
+_SECTIONS: dict[str, type] = {TRAIN: TrainConfig, DIST: DistConfig}
+_SECTION_OF = {cls: name for name, cls in _SECTIONS.items()}
+_TYPES = {section: get_type_hints(cls) for section, cls in _SECTIONS.items()}
+
+
+def load_config(
+    train_config: dict | None = None,
+    meta_dist_config: dict | None = None,
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+) -> Config:
+    """Build the run's configuration from defaults, script dicts, a YAML file and overrides.
+
+    Args:
+        train_config: The script's train_config dict (bare keys); overrides the defaults.
+        meta_dist_config: The script's meta_dist_config dict (bare keys); overrides the defaults.
+        path: A YAML file with optional ``train_config:`` and ``meta_dist_config:`` sections;
+            overrides the script dicts.
+        overrides: ``KEY=VALUE`` strings, KEY dotted (``meta_dist_config.zero_opt_level``) or bare
+            (``zero_opt_level``), VALUE parsed as YAML; they override everything else.
+
+    Returns:
+        The validated Config, with the source of every value in ``Config.sources``.
+
+    Raises:
+        ValueError: An unknown key or section, a value out of range or not among the choices,
+            contradictory values, a file that is missing or not YAML, or a malformed override.
+        TypeError: A value of the wrong type (bool and int are not interchangeable).
+    """
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for section, given in ((TRAIN, train_config), (DIST, meta_dist_config)):
+        if given is not None and not isinstance(given, dict):
+            raise TypeError(
+                f"load_config: {section} must be a dict; got {type(given).__name__}, "
+                f"expected a dict of {section} keys or None"
+            )
+        _set_section(values, sources, section, given or {}, "script")
+    if path is not None:
+        for section, given in _read_yaml(path).items():
+            _set_section(values, sources, section, given, str(path))
+    if isinstance(overrides, str):
+        raise TypeError(
+            f"load_config: overrides must be a sequence of strings; got {overrides!r}, "
+            "expected e.g. ['zero_opt_level=2']"
+        )
+    for word in overrides:
+        key, value = _parse_override(word)
+        values[key] = _check_value(key, value, COMMAND_LINE)
+        sources[key] = COMMAND_LINE
+    built = {}
+    for section, cls in _SECTIONS.items():
+        for name in _TYPES[section]:
+            sources.setdefault(f"{section}.{name}", "default")
+        given = {k.split(".", 1)[1]: v for k, v in values.items() if k.startswith(section + ".")}
+        built[section] = cls(**_check_section(section, given, sources))
+    return Config(train=built[TRAIN], dist=built[DIST], sources=sources)
+
+
+def check_world(config: Config, size: int) -> None:
+    """Check that the configuration fits a launch of ``size`` ranks.
+
+    Every rank calls this with the same values before any communication, so all raise together.
+
+    Args:
+        config: The loaded configuration.
+        size: The number of ranks (MPI world size).
+
+    Raises:
+        ValueError: Data parallelism is off with more than one rank, the global batch does
+            not split evenly across ranks, or ``size`` < 1.
+        TypeError: ``size`` is not an int.
+    """
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise TypeError(f"check_world: size is not an int; got {size!r}, expected an int >= 1")
+    if size < 1:
+        raise ValueError(f"check_world: size is out of range; got {size!r}, expected an int >= 1")
+    if not config.dist.enable_data_parallel and size > 1:
+        where = _where(config.sources.get(f"{DIST}.enable_data_parallel", "code"))
+        raise ValueError(
+            f"check_world: {DIST}.enable_data_parallel is false with {size} ranks (set in "
+            f"{where}); got enable_data_parallel=False, expected true when size > 1; every rank "
+            "would train its own copy, so set enable_data_parallel: true or launch 1 rank"
+        )
+    batch = config.train.batch_size
+    if batch % size:
+        where = _where(config.sources.get(f"{TRAIN}.batch_size", "code"))
+        below, above = batch - batch % size, batch - batch % size + size
+        nearest = f"{below} or {above}" if below else str(above)
+        raise ValueError(
+            f"check_world: {TRAIN}.batch_size does not split across {size} ranks (set in "
+            f"{where}); got batch_size={batch}, size={size}, expected a multiple of {size}; "
+            f"use batch_size={nearest}, or a rank count that divides {batch}"
+        )
+
+
+def parse_cli(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """Split command-line words into a config path and ``KEY=VALUE`` overrides.
+
+    Args:
+        argv: The words after the script name (``sys.argv[1:]``).
+
+    Returns:
+        ``(path, overrides)``, ready for ``load_config(train_config, meta_dist_config, *...)``.
+
+    Raises:
+        ValueError: A word that is neither ``--config PATH``, ``--config=PATH`` nor ``KEY=VALUE``.
+        SystemExit: With code 0 after printing usage, for ``-h`` or ``--help``.
+    """
+    path: str | None = None
+    overrides: list[str] = []
+    words = list(argv)
+    if "-h" in words or "--help" in words:
+        print(_usage())
+        raise SystemExit(0)
+    while words:
+        word = words.pop(0)
+        if word == "--config" or word.startswith("--config="):
+            given = word.partition("=")[2] if "=" in word else (words.pop(0) if words else "")
+            if not given or given.startswith("-"):
+                raise ValueError(f"parse_cli: --config needs a PATH; got {given!r}; {USAGE}")
+            if path is not None:
+                raise ValueError(
+                    f"parse_cli: --config given twice; got {path!r} and {given!r}, expected one "
+                    f"file; {USAGE}"
+                )
+            path = given
+        elif "=" in word and not word.startswith("-"):
+            overrides.append(word)
+        else:
+            hint = "; write overrides without dashes" if word.startswith("--") else ""
+            raise ValueError(
+                f"parse_cli: unknown argument; got {word!r}, expected --config PATH or "
+                f"KEY=VALUE{hint}; {USAGE}"
+            )
+    return path, overrides
+
+
+def format_config(config: Config) -> str:
+    """Return a readable listing of every key, its value and its source (rank 0 prints it)."""
+    lines = []
+    sections = config.as_dicts()
+    width = max(len(name) for values in sections.values() for name in values)
+    for section, values in sections.items():
+        lines.append(f"{section}:")
+        for name, value in values.items():
+            shown = _show(value)
+            source = config.sources.get(f"{section}.{name}", "code")
+            lines.append(f"  {name:<{width}} = {shown:<12} [{source}]")
+    return "\n".join(lines)
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads ``1e-8`` as a float, as YAML 1.2 does (PyYAML reads a string)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    if not Path(path).is_file():
+        raise ValueError(
+            f"load_config: config file not found; got {str(path)!r}, expected an existing YAML "
+            f"file (looked in {Path.cwd()}); see configs/ for examples"
+        )
+    try:
+        with Path(path).open() as stream:
+            data = yaml.load(stream, Loader=_Loader)  # safe: _Loader is a SafeLoader
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or " ".join(str(err).split())
+        raise ValueError(
+            f"{path}: cannot parse YAML; got {problem}{at}, expected a mapping with sections "
+            f"{TRAIN}: and {DIST}: holding KEY: VALUE lines"
+        ) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{path}: top level is not a mapping; got {type(data).__name__} {data!r}, expected "
+            f"sections {TRAIN}: and {DIST}: holding KEY: VALUE lines"
+        )
+    for section in data:
+        if section not in _SECTIONS:
+            raise ValueError(_unknown("section", str(section), list(_SECTIONS), path))
+    return data
+
+
+def _set_section(values: dict, sources: dict, section: str, given: Any, source: str) -> None:
+    if given is None:  # an empty section in YAML
+        return
+    if not isinstance(given, dict):
+        raise ValueError(
+            f"{_where(source)}: section {section!r} is not a mapping; got {given!r}, expected "
+            f"KEY: VALUE pairs with keys from {', '.join(_TYPES[section])}"
+        )
+    for name, value in given.items():
+        key = f"{section}.{name}"
+        values[key] = _check_value(key, value, source)
+        sources[key] = source
+
+
+def _parse_override(word: str) -> tuple[str, Any]:
+    name, eq, text = str(word).partition("=")
+    name = name.strip()
+    if not eq or not name:
+        raise ValueError(
+            f"command line: override is not KEY=VALUE; got {word!r}, expected e.g. "
+            "zero_opt_level=2 or meta_dist_config.zero_opt_level=2 (no spaces around '=')"
+        )
+    if "." in name:
+        key = name
+    else:
+        owners = [section for section, types in _TYPES.items() if name in types]
+        key = f"{owners[0]}.{name}" if owners else name
+    try:
+        value = yaml.load(text, Loader=_Loader)  # safe: _Loader is a SafeLoader
+    except yaml.YAMLError:
+        raise ValueError(
+            f"command line: value of {key} is not YAML; got {text!r}, expected e.g. 2, true, "
+            "adam or [1, 28, 28]; quote it in the shell if it holds spaces"
+        ) from None
+    return key, value
+
+
+def _check_value(key: str, value: Any, source: str) -> Any:
+    """Return ``value`` coerced to the field's type; raise if the key, type or value is bad."""
+    section, dot, name = key.partition(".")
+    if not dot:  # a bare override naming no field of either section
+        names = [n for types in _TYPES.values() for n in types]
+        raise ValueError(_unknown("key", key, names, source))
+    if section not in _SECTIONS:
+        raise ValueError(_unknown("section", section, list(_SECTIONS), source, key))
+    if name not in _TYPES[section]:
+        raise ValueError(_unknown("key", name, list(_TYPES[section]), source, key))
+    hint = _TYPES[section][name]
+    meta = _SECTIONS[section].__dataclass_fields__[name].metadata
+    choices = meta.get("choices", ())
+    rule = f"one of {', '.join(map(repr, choices))}" if choices else meta.get("rule", "")
+    coerced = _coerce(value, hint)
+    if coerced is _BAD:
+        raise TypeError(
+            f"{_where(source)}: {key} has the wrong type; got {value!r} "
+            f"({type(value).__name__}), expected {_type_name(hint)}{', ' + rule if rule else ''}"
+        )
+    if (choices and coerced not in choices) or ("check" in meta and not meta["check"](coerced)):
+        hint_text = meta.get("hints", {}).get(coerced, "")
+        wrong = "is not a valid choice" if choices else "is out of range"
+        raise ValueError(
+            f"{_where(source)}: {key} {wrong}; got {value!r}, expected {rule}"
+            + (f"; {hint_text}" if hint_text else "")
+        )
+    return coerced
+
+
+def _check_section(section: str, given: dict, sources: dict, label: str = "") -> dict[str, Any]:
+    """Return the section's complete, coerced values; check each and then their combinations."""
+    cls = _SECTIONS[section]
+
+    def where(*names: str) -> str:
+        found = [label or _where(sources.get(f"{section}.{n}", "default")) for n in names]
+        return " and ".join(dict.fromkeys(found))
+
+    values = {}
+    for name, spec in cls.__dataclass_fields__.items():
+        raw = given.get(name, spec.default)
+        key = f"{section}.{name}"
+        values[name] = _check_value(key, raw, label or sources.get(key, "default"))
+    cls._check_together(values, where)
+    return values
+
+
+_BAD = object()
+
+
+def _coerce(value: Any, hint: Any) -> Any:
+    """Return ``value`` as type ``hint`` (int to float, list to tuple), or ``_BAD``."""
+    args = get_args(hint)
+    if type(None) in args:
+        return None if value is None else _coerce(value, args[0])
+    if get_origin(hint) is tuple:
+        if not isinstance(value, (list, tuple)):
+            return _BAD
+        kinds = [args[0]] * len(value) if args[-1] is Ellipsis else list(args)
+        if len(kinds) != len(value):
+            return _BAD
+        items = tuple(_coerce(v, k) for v, k in zip(value, kinds))
+        return _BAD if any(item is _BAD for item in items) else items
+    if isinstance(value, bool) and hint is not bool:  # bool is an int subclass: reject it
+        return _BAD
+    if hint is float and isinstance(value, (int, float)):
+        return float(value) if value - value == 0 else _BAD  # inf and nan are not allowed
+    return value if isinstance(value, hint) else _BAD
+
+
+def _type_name(hint: Any) -> str:
+    args = get_args(hint)
+    if type(None) in args:
+        return f"{_type_name(args[0])} or null"
+    if get_origin(hint) is tuple:
+        if args[-1] is Ellipsis:
+            return f"a list of {_type_name(args[0])}"
+        return f"a list of {len(args)} {_type_name(args[0])}s"
+    return {bool: "bool (true/false)", float: "finite float"}.get(hint, hint.__name__)
+
+
+def _unknown(kind: str, name: str, valid: list[str], source: str | Path, key: str = "") -> str:
+    close = difflib.get_close_matches(name, valid, n=1)
+    tip = f" Did you mean {close[0]!r}?" if close else ""
+    shown = f"{name!r} in {key!r}" if kind == "section" and key else repr(key or name)
+    return f"{_where(str(source))}: unknown {kind} {shown}; valid {kind}s: {', '.join(valid)}.{tip}"
+
+
+def _where(source: str) -> str:
+    return "script dict" if source == "script" else source
+
+
+def _plain(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "null"
+    if isinstance(value, list):
+        return "[" + ", ".join(map(str, value)) + "]"
+    return str(value)
+
+
+def _usage() -> str:
+    lines = [
+        USAGE,
+        "  --config PATH  YAML file with train_config: and meta_dist_config: sections (overrides)",
+        "  KEY=VALUE      override one key; VALUE is YAML, e.g. zero_opt_level=2 lr=0.1",
+        "  -h, --help     show this help and exit",
+        "",
+        "keys (default):",
+    ]
+    for section, cls in _SECTIONS.items():
+        for name in _TYPES[section]:
+            default = _show(_plain({name: cls.__dataclass_fields__[name].default})[name])
+            lines.append(f"  {section}.{name} ({default})")
+    return "\n".join(lines)

@@ -1,0 +1,148 @@
+"""MPIConnector: the MPI world of this job (who am I, how many are we, on which node).
+
+Imports mpi4py only; everything else in meta_dist that needs to know about ranks asks a connector.
+The connector also installs the failure policy: an uncaught exception on any rank prints that
+rank's traceback and aborts the whole job, so no peer is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import Any
+
+from mpi4py import MPI
+
+ROOT_RANK = 0
+
+
+class MPIConnector:
+    """The MPI world: rank, size, local_rank, local_size, barrier and object broadcast.
+
+    ``local_rank`` and ``local_size`` come from ``MPI_Comm_split_type(COMM_TYPE_SHARED)``: the
+    ranks sharing this node's memory, which is right on every node of a multi-node job whatever
+    the launcher (Open MPI, MPICH, Slurm).
+
+    Args:
+        comm: the communicator to wrap; defaults to ``MPI.COMM_WORLD``. It is duplicated, so
+            meta_dist's traffic never matches a message of the caller's own.
+        abort_on_exception: install a ``sys.excepthook`` that prints the traceback and calls
+            ``MPI_Abort`` when the job has more than one rank.
+    """
+
+    def __init__(self, comm: MPI.Comm | None = None, *, abort_on_exception: bool = True) -> None:
+        base = MPI.COMM_WORLD if comm is None else comm
+        self._comm: MPI.Comm | None = base.Dup()
+        self._node_comm: MPI.Comm | None = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
+        self._rank = self._comm.Get_rank()
+        self._size = self._comm.Get_size()
+        self._local_rank = self._node_comm.Get_rank()
+        self._local_size = self._node_comm.Get_size()
+        if abort_on_exception and self._size > 1:
+            install_abort_hook()
+
+    @property
+    def comm(self) -> MPI.Comm:
+        """The connector's own duplicate of the world communicator."""
+        return self._live_comm("comm")
+
+    @property
+    def rank(self) -> int:
+        """This process's rank, from 0 to size - 1."""
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        """The number of ranks in the job."""
+        return self._size
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank among the ranks on its node (picks the GPU)."""
+        return self._local_rank
+
+    @property
+    def local_size(self) -> int:
+        """The number of ranks on this process's node."""
+        return self._local_size
+
+    @property
+    def root_rank(self) -> int:
+        """The rank that makes decisions and prints (always 0)."""
+        return ROOT_RANK
+
+    @property
+    def is_root(self) -> bool:
+        """True on the root rank."""
+        return self._rank == ROOT_RANK
+
+    @property
+    def closed(self) -> bool:
+        """True after close()."""
+        return self._comm is None
+
+    def barrier(self) -> None:
+        """Wait until every rank has called barrier. Collective."""
+        self._live_comm("barrier").Barrier()
+
+    def broadcast(self, obj: Any = None, root: int = ROOT_RANK) -> Any:
+        """Return ``obj`` from rank ``root`` on every rank (pickled; for small control objects).
+
+        Collective: every rank must call this, in the same order.
+        """
+        self._check_root("broadcast", root)
+        return self._live_comm("broadcast").bcast(obj, root=root)
+
+    def allgather(self, obj: Any) -> list[Any]:
+        """Return the list of every rank's ``obj``, indexed by rank (pickled). Collective."""
+        return self._live_comm("allgather").allgather(obj)
+
+    def abort(self, code: int = 1) -> None:
+        """Terminate every rank of the job now with exit status ``code`` (MPI_Abort)."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(code)
+
+    def close(self) -> None:
+        """Free the connector's communicators; later calls raise RuntimeError. Collective."""
+        if self._comm is not None:
+            self._node_comm.Free()
+            self._comm.Free()
+            self._comm = self._node_comm = None
+
+    def _live_comm(self, api: str) -> MPI.Comm:
+        if self._comm is None:
+            raise RuntimeError(
+                f"MPIConnector.{api} used after close(); create a new MPIConnector "
+                "(or call meta_dist.init()) first"
+            )
+        return self._comm
+
+    def _check_root(self, api: str, root: int) -> None:
+        if not 0 <= root < self._size:
+            raise ValueError(
+                f"MPIConnector.{api}: root out of range; got {root}, expected 0 <= root < "
+                f"{self._size}"
+            )
+
+
+def install_abort_hook() -> None:
+    """Make an uncaught exception print its traceback and abort the whole MPI job.
+
+    Without it, the failing rank calls MPI_Finalize while its peers wait forever in their next
+    collective. ``python -m mpi4py`` does the same for a whole script; this covers plain
+    ``python script.py`` under mpirun.
+    """
+    if getattr(sys.excepthook, "_meta_dist_abort", False):
+        return
+
+    def abort_hook(exc_type: type, exc: BaseException, tb: Any) -> None:
+        rank = MPI.COMM_WORLD.Get_rank()
+        lines = traceback.format_exception(exc_type, exc, tb)
+        sys.stderr.write(f"[rank {rank}] uncaught exception; aborting the job:\n" + "".join(lines))
+        sys.stderr.flush()
+        sys.stdout.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+    abort_hook._meta_dist_abort = True  # type: ignore[attr-defined]
+    sys.excepthook = abort_hook

@@ -1,0 +1,198 @@
+"""The distributed context: ``dist.get_context()``, init/shutdown, and collectives on it.
+
+Imports meta_dist.connector, meta_dist.comm and meta_dist.xp. This is the Meta design's
+``from meta_dist import distributed as dist; dctx = dist.get_context()``: the first call starts
+the MPI connector; the module-level collectives (re-exported as ``meta_dist.allreduce`` etc.) run
+on the context's communicator for the array's kind (numpy: MPI; CuPy: NCCL when usable).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meta_dist.comm import Communicator, Handle, make_communicator
+from meta_dist.connector import MPIConnector
+from meta_dist.xp import is_cupy_array
+
+ZERO_LEVELS = (0, 1, 2)
+BACKEND_CHOICES = ("auto", "mpi", "nccl")
+
+
+class DistContext:
+    """Where this process stands in the job, and the switches of distributed training.
+
+    Attributes mirror the Meta design: ``root_rank``, ``size``, ``rank``, ``local_rank``,
+    ``local_size``; ``enable_data_parallel`` and ``zero_opt_level`` are checked on assignment.
+    """
+
+    def __init__(self, connector: MPIConnector, backend: str = "auto") -> None:
+        self.connector = connector
+        self._backend = _check_backend(backend)
+        self._communicators: dict[str, Communicator] = {}
+        self._enable_data_parallel = False
+        self._zero_opt_level = 0
+
+    root_rank = property(lambda self: self.connector.root_rank, doc="The root rank (0).")
+    size = property(lambda self: self.connector.size, doc="The number of ranks.")
+    rank = property(lambda self: self.connector.rank, doc="This rank, 0 to size - 1.")
+    local_rank = property(lambda self: self.connector.local_rank, doc="Rank on this node.")
+    local_size = property(lambda self: self.connector.local_size, doc="Ranks on this node.")
+
+    @property
+    def enable_data_parallel(self) -> bool:
+        """Split the batch across ranks and average gradients."""
+        return self._enable_data_parallel
+
+    @enable_data_parallel.setter
+    def enable_data_parallel(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"enable_data_parallel must be a bool; got {value!r}")
+        self._enable_data_parallel = value
+
+    @property
+    def zero_opt_level(self) -> int:
+        """ZeRO level: 0 (plain data parallel), 1 (optimizer state partitioned), 2 (+ gradients)."""
+        return self._zero_opt_level
+
+    @zero_opt_level.setter
+    def zero_opt_level(self, value: int) -> None:
+        if isinstance(value, bool) or value not in ZERO_LEVELS:
+            hint = "; ZeRO-3 (parameter partitioning) is not supported yet" if value == 3 else ""
+            raise ValueError(f"zero_opt_level must be one of 0, 1, 2; got {value!r}{hint}")
+        self._zero_opt_level = value
+
+    @property
+    def backend(self) -> str:
+        """The backend preference: "auto", "mpi" or "nccl"."""
+        return self._backend
+
+    def communicator(self, backend: str = "mpi") -> Communicator:
+        """Return the context's communicator of a backend, creating it on first use. Collective."""
+        if self.connector.closed:
+            raise RuntimeError("communicator requested after shutdown(); call init() first")
+        if backend not in self._communicators:
+            self._communicators[backend] = make_communicator(backend, self.connector)
+        return self._communicators[backend]
+
+    def communicator_for(self, array: Any) -> Communicator:
+        """Return the communicator that moves this kind of array under the backend preference.
+
+        numpy arrays always use MPI. CuPy arrays use NCCL when the preference is "nccl", or
+        "auto" and NCCL is usable here; otherwise MPI (CUDA-aware or staged through the host).
+        """
+        item = array[0] if isinstance(array, (list, tuple)) and array else array
+        if not is_cupy_array(item) or self._backend == "mpi":
+            return self.communicator("mpi")
+        if self._backend == "nccl":
+            return self.communicator("nccl")
+        from meta_dist.comm.nccl_backend import nccl_unavailable_reason
+
+        usable = self.connector.allgather(nccl_unavailable_reason() is None)
+        return self.communicator("nccl" if all(usable) else "mpi")
+
+    def close(self) -> None:
+        """Close every communicator and the connector. Collective."""
+        for comm in self._communicators.values():
+            comm.close()
+        self._communicators.clear()
+        self.connector.close()
+
+
+_context: DistContext | None = None
+_was_shut_down = False
+
+
+def init(backend: str = "auto") -> DistContext:
+    """Start the distributed context (idempotent) and return it. Collective on first call.
+
+    Args:
+        backend: which communicator CuPy arrays use: "auto", "mpi" or "nccl".
+    """
+    global _context, _was_shut_down
+    if _context is None:
+        _context = DistContext(MPIConnector(), backend=backend)
+        _was_shut_down = False
+    return _context
+
+
+def get_context() -> DistContext:
+    """Return the distributed context, starting it on first use (the Meta design's entry point)."""
+    return init()
+
+
+def is_initialized() -> bool:
+    """Return True between init() (or get_context()) and shutdown()."""
+    return _context is not None
+
+
+def shutdown() -> None:
+    """Close the context's communicators and connector. Collective; init() may start again."""
+    global _context, _was_shut_down
+    if _context is not None:
+        _context.close()
+        _context = None
+        _was_shut_down = True
+
+
+def _live_context(api: str) -> DistContext:
+    if _context is None:
+        when = "after shutdown()" if _was_shut_down else "before init"
+        raise RuntimeError(
+            f"meta_dist.{api} called {when}; call meta_dist.init() or "
+            "meta_dist.distributed.get_context() first"
+        )
+    return _context
+
+
+def _check_backend(backend: str) -> str:
+    if backend not in BACKEND_CHOICES:
+        raise ValueError(
+            f"backend must be one of {', '.join(BACKEND_CHOICES)}; got {backend!r}"
+        )
+    return backend
+
+
+def allreduce(send: Any, op: str = "sum", *, out: Any = None) -> Any:
+    """See ``Communicator.allreduce``; runs on the default context. Collective."""
+    return _live_context("allreduce").communicator_for(send).allreduce(send, op, out=out)
+
+
+def allreduce_async(send: Any, op: str = "sum", *, out: Any = None) -> Handle:
+    """See ``Communicator.allreduce_async``. Collective."""
+    return _live_context("allreduce_async").communicator_for(send).allreduce_async(
+        send, op, out=out)
+
+
+def reduce_scatter(send: Any, op: str = "sum", *, out: Any = None) -> Any:
+    """See ``Communicator.reduce_scatter``. Collective."""
+    return _live_context("reduce_scatter").communicator_for(send).reduce_scatter(send, op, out=out)
+
+
+def allgather(send: Any, *, out: Any = None) -> Any:
+    """See ``Communicator.allgather``. Collective."""
+    return _live_context("allgather").communicator_for(send).allgather(send, out=out)
+
+
+def broadcast(buf: Any, root: int = 0, *, out: Any = None) -> Any:
+    """See ``Communicator.broadcast``. Collective."""
+    return _live_context("broadcast").communicator_for(buf).broadcast(buf, root, out=out)
+
+
+def reduce(send: Any, root: int = 0, op: str = "sum", *, out: Any = None) -> Any:
+    """See ``Communicator.reduce``. Collective."""
+    return _live_context("reduce").communicator_for(send).reduce(send, root, op, out=out)
+
+
+def send(array: Any, peer: int) -> None:
+    """See ``Communicator.send``."""
+    _live_context("send").communicator_for(array).send(array, peer)
+
+
+def recv(out: Any, peer: int) -> Any:
+    """See ``Communicator.recv``."""
+    return _live_context("recv").communicator_for(out).recv(out, peer)
+
+
+def barrier() -> None:
+    """Wait for every rank. Collective."""
+    _live_context("barrier").connector.barrier()

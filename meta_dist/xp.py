@@ -1,0 +1,75 @@
+"""Array-module selection: numpy on the host, CuPy on a GPU.
+
+Leaf module: imports numpy, and cupy lazily. Everything that touches arrays asks this module
+which array module an array belongs to, so layers, optimizers and ZeRO run unchanged on either.
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+
+
+def cupy_or_none() -> types.ModuleType | None:
+    """Return the cupy module if it imports, else None (never raises)."""
+    try:
+        import cupy
+    except Exception:  # ImportError, or a CUDA library that fails to load
+        return None
+    return cupy
+
+
+def is_cupy_array(arr: object) -> bool:
+    """Return True if ``arr`` is a CuPy array (without importing cupy when it is not)."""
+    return type(arr).__module__.split(".")[0] == "cupy"
+
+
+def array_module(arr: object) -> types.ModuleType:
+    """Return ``cupy`` for a CuPy array and ``numpy`` for anything else."""
+    if is_cupy_array(arr):
+        import cupy
+
+        return cupy
+    return np
+
+
+def to_numpy(arr: object) -> np.ndarray:
+    """Return a host copy (CuPy) or the array itself (numpy)."""
+    if is_cupy_array(arr):
+        return arr.get()
+    return np.asarray(arr)
+
+
+def gpu_count() -> int:
+    """Return how many CUDA devices this process can see (0 without cupy or a driver)."""
+    cupy = cupy_or_none()
+    if cupy is None:
+        return 0
+    try:
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # no driver, or CUDA_VISIBLE_DEVICES hides every device
+        return 0
+
+
+def select_device(local_rank: int) -> int:
+    """Make GPU ``local_rank % gpu_count()`` current for this process and return its index.
+
+    Call before allocating anything on the GPU. With per-rank CUDA_VISIBLE_DEVICES every rank
+    sees one device, and the modulo maps them all to device 0 as intended.
+
+    Raises:
+        RuntimeError: no GPU is visible.
+    """
+    count = gpu_count()
+    if count == 0:
+        raise RuntimeError(
+            "select_device: no CUDA device is visible; got gpu_count() == 0, expected >= 1; "
+            "install cupy-cuda12x (pip install 'meta_dist[gpu]') on a machine with a GPU, "
+            "or use device: cpu"
+        )
+    import cupy
+
+    device = local_rank % count
+    cupy.cuda.Device(device).use()
+    return device

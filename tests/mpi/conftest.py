@@ -1,0 +1,57 @@
+"""Harness for the multi-rank tests, which run inside ``mpirun ... python -m mpi4py -m pytest``.
+
+1. A failed test on any rank prints ``[rank r] FAILED <test>`` with its traceback and aborts the
+   job (the peers would otherwise wait forever in their next collective).
+2. pytest's faulthandler_timeout (pyproject.toml) dumps every thread and exits on a deadlock.
+3. ``python -m mpi4py`` turns any other uncaught error into MPI_Abort.
+Skips depend only on the world size, so every rank collects and runs the same tests.
+"""
+
+import sys
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from meta_dist import MPIConnector, make_communicator
+
+WORLD = MPI.COMM_WORLD
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        marker = item.get_closest_marker("mpi")
+        min_size = marker.kwargs.get("min_size", 1) if marker else 1
+        if WORLD.size < min_size:
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs at least {min_size} ranks; this run has {WORLD.size}"))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report):
+    if report.failed and WORLD.size > 1:
+        sys.stderr.write(f"[rank {WORLD.rank}] FAILED {report.nodeid} ({report.when})\n"
+                         f"{report.longreprtext}\n")
+        sys.stderr.flush()
+        WORLD.Abort(1)
+
+
+@pytest.fixture(scope="session")
+def connector():
+    conn = MPIConnector(abort_on_exception=False)
+    yield conn
+    conn.close()
+
+
+@pytest.fixture
+def comm(connector):
+    """A fresh MPI communicator per test (its own duplicate of the world: no stray messages)."""
+    communicator = make_communicator("mpi", connector)
+    yield communicator
+    communicator.close()
+
+
+def same_on_every_rank(connector, array) -> bool:
+    """Return True if every rank holds bit-identical bytes (collective)."""
+    mine = np.ascontiguousarray(array).tobytes()
+    return all(other == mine for other in connector.allgather(mine))

