@@ -28,9 +28,13 @@ class DistContext:
     def __init__(self, connector: MPIConnector, backend: str = "auto") -> None:
         self.connector = connector
         self._backend = _check_backend(backend)
-        self._communicators: dict[str, Communicator] = {}
         self._enable_data_parallel = False
         self._zero_opt_level = 0
+        # Made now, on every rank: creating a communicator is collective, so making one lazily
+        # inside send/recv (which only two ranks call) would hang the job.
+        self._communicators: dict[str, Communicator] = {"mpi": make_communicator("mpi", connector)}
+        if backend == "nccl" or (backend == "auto" and _nccl_usable_everywhere(connector)):
+            self._communicators["nccl"] = make_communicator("nccl", connector)
 
     root_rank = property(lambda self: self.connector.root_rank, doc="The root rank (0).")
     size = property(lambda self: self.connector.size, doc="The number of ranks.")
@@ -67,28 +71,28 @@ class DistContext:
         return self._backend
 
     def communicator(self, backend: str = "mpi") -> Communicator:
-        """Return the context's communicator of a backend, creating it on first use. Collective."""
+        """Return the context's communicator of a backend ("mpi", or "nccl" where usable)."""
         if self.connector.closed:
             raise RuntimeError("communicator requested after shutdown(); call init() first")
         if backend not in self._communicators:
-            self._communicators[backend] = make_communicator(backend, self.connector)
+            raise RuntimeError(
+                f"communicator: backend {backend!r} is not active in this context; got "
+                f"backend={self._backend!r} at init; call meta_dist.init(backend='nccl') "
+                "(it says what is missing if NCCL cannot run here)"
+            )
         return self._communicators[backend]
 
     def communicator_for(self, array: Any) -> Communicator:
         """Return the communicator that moves this kind of array under the backend preference.
 
-        numpy arrays always use MPI. CuPy arrays use NCCL when the preference is "nccl", or
-        "auto" and NCCL is usable here; otherwise MPI (CUDA-aware or staged through the host).
+        numpy arrays always use MPI. CuPy arrays use NCCL when it is active (backend "nccl",
+        or "auto" with NCCL usable on every rank); otherwise MPI, CUDA-aware or staged through
+        the host. Needs no communication, so point-to-point calls are safe.
         """
         item = array[0] if isinstance(array, (list, tuple)) and array else array
-        if not is_cupy_array(item) or self._backend == "mpi":
-            return self.communicator("mpi")
-        if self._backend == "nccl":
-            return self.communicator("nccl")
-        from meta_dist.comm.nccl_backend import nccl_unavailable_reason
-
-        usable = self.connector.allgather(nccl_unavailable_reason() is None)
-        return self.communicator("nccl" if all(usable) else "mpi")
+        if is_cupy_array(item) and self._backend != "mpi" and "nccl" in self._communicators:
+            return self._communicators["nccl"]
+        return self.communicator("mpi")
 
     def close(self) -> None:
         """Close every communicator and the connector. Collective."""
@@ -142,6 +146,19 @@ def _live_context(api: str) -> DistContext:
             "meta_dist.distributed.get_context() first"
         )
     return _context
+
+
+def _nccl_usable_everywhere(connector: MPIConnector) -> bool:
+    """Return True when NCCL can run on every rank (collective: one decision for all)."""
+    from meta_dist.xp import cupy_or_none
+
+    if cupy_or_none() is None:
+        usable = False
+    else:
+        from meta_dist.comm.nccl_backend import nccl_unavailable_reason
+
+        usable = nccl_unavailable_reason() is None
+    return all(connector.allgather(usable))
 
 
 def _check_backend(backend: str) -> str:

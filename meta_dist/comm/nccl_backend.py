@@ -1,0 +1,365 @@
+"""NcclCommunicator: collectives on CuPy arrays through NCCL (``cupy.cuda.nccl``).
+
+Imports meta_dist.comm.base, meta_dist.connector and meta_dist.xp; cupy only inside functions,
+so this module imports, and ``nccl_unavailable_reason`` answers, where cupy is missing. Imported
+lazily by ``meta_dist.comm.make_communicator`` and ``meta_dist.distributed``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections.abc import Callable
+from typing import Any
+
+from meta_dist.comm.base import Communicator
+from meta_dist.connector import MPIConnector
+from meta_dist.xp import is_cupy_array, select_device
+
+# ncclDataType_t and ncclRedOp_t values from nccl.h (unchanged since NCCL 2.0; compared with
+# cupy.cuda.nccl's names in tests/unit/test_nccl_selection.py). avg is summed here: the base
+# divides by size exactly once.
+NCCL_DTYPES = {"uint8": 1, "int32": 2, "int64": 4, "float16": 6, "float32": 7, "float64": 8}
+NCCL_OPS = {"sum": 0, "avg": 0, "prod": 1, "max": 2, "min": 3}
+# CuPy's NcclError knows statuses up to 6 and raises KeyError(7) / KeyError(8) for the rest.
+NCCL_STATUS = {1: "unhandled cuda error", 2: "system error", 3: "internal error",
+               4: "invalid argument", 5: "invalid usage", 6: "remote error",
+               7: "in progress", 8: "timeout"}
+INSTALL_HINT = ("pip install 'meta_dist[gpu]' (cupy-cuda12x and nvidia-nccl-cu12; on CUDA 13 "
+                "use cupy-cuda13x and nvidia-nccl-cu13), or use backend: mpi")
+MULTI_RANK_GPU_VERSION = (2, 30, 0)  # first NCCL that lets ranks share a GPU (opt-in variable)
+ABORTED = "the communicator is aborted (make a new one); NCCL_DEBUG=WARN shows NCCL's own log"
+
+
+def nccl_unavailable_reason() -> str | None:
+    """Return why NCCL cannot run in this process, or None when it can.
+
+    Local: asks only this process (cupy imports, libnccl loads, a GPU is visible). To decide for
+    the job, gather it from every rank (``connector.allgather``) so all ranks choose alike.
+    """
+    try:
+        import cupy
+    except Exception as error:  # ImportError, or a CUDA library that fails to load
+        return (f"backend 'nccl' needs cupy with NCCL (import cupy failed: {error}); install "
+                f"them: {INSTALL_HINT}")
+    try:
+        from cupy.cuda import nccl
+        loaded = bool(nccl.available)
+    except Exception:
+        loaded = False
+    if not loaded:
+        return ("backend 'nccl' needs NCCL (cupy.cuda.nccl could not load libnccl.so.2; "
+                f"CUPY_DEBUG_LIBRARY_LOAD=1 shows why); install it: {INSTALL_HINT}")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:  # no driver, or CUDA_VISIBLE_DEVICES hides every device
+        count, why = 0, f"{type(error).__name__}: {error}"
+    else:
+        why = "getDeviceCount() == 0"
+    if count == 0:
+        return (f"backend 'nccl' needs a CUDA GPU; got none visible ({why}); run where a GPU "
+                "and its driver are visible (check CUDA_VISIBLE_DEVICES) with a cupy for the "
+                f"driver's CUDA: {INSTALL_HINT}")
+    return None
+
+
+def decode_nccl_version(code: int) -> tuple[int, int, int]:
+    """Return (major, minor, patch) of an NCCL version code.
+
+    NCCL >= 2.9 encodes X*10000 + Y*100 + Z; older ones X*1000 + Y*100 + Z (nccl.h NCCL_VERSION).
+    """
+    if code < 10000:
+        return code // 1000, code % 1000 // 100, code % 100
+    return code // 10000, code % 10000 // 100, code % 100
+
+
+def nccl_version() -> tuple[int, int, int] | None:
+    """Return the loaded NCCL's (major, minor, patch), or None when NCCL does not load."""
+    try:
+        from cupy.cuda import nccl
+
+        return decode_nccl_version(int(nccl.get_version())) if nccl.available else None
+    except Exception:  # no cupy, or no libnccl: there is no version to report
+        return None
+
+
+def broadcast_unique_id(connector: MPIConnector) -> Any:
+    """Return an NCCL unique id made on rank 0, identical on every rank. Collective.
+
+    The id is passed through as NCCL made it (bytes in CuPy 14, a tuple in CuPy 13). A failure
+    on rank 0 is broadcast too, so every rank raises instead of waiting.
+
+    Raises:
+        RuntimeError: on every rank, when rank 0 could not create the id.
+    """
+    reply = None
+    if connector.is_root:
+        try:
+            from cupy.cuda import nccl
+
+            reply = ("ok", nccl.get_unique_id())
+        except Exception as error:
+            reply = ("error", _describe(error))
+    status, value = connector.broadcast(reply)
+    if status != "ok":
+        raise RuntimeError(f"NcclCommunicator: rank 0 could not create the NCCL unique id: "
+                           f"{value}; run with NCCL_DEBUG=WARN for details, or use backend: mpi")
+    return value
+
+
+def ranks_problem(api: str, problems: list[str | None]) -> str | None:
+    """Return one message naming every rank with a problem (by rank index), or None."""
+    by_problem: dict[str, list[int]] = {}
+    for rank, problem in enumerate(problems):
+        if problem is not None:
+            by_problem.setdefault(problem, []).append(rank)
+    if not by_problem:
+        return None
+    count = sum(len(ranks) for ranks in by_problem.values())
+    parts = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: "
+                      f"{problem}" for problem, ranks in by_problem.items())
+    return f"{api}: NCCL cannot run on {count} of {len(problems)} ranks; {parts}"
+
+
+def _agree(connector: MPIConnector, api: str, problem: str | None) -> None:
+    """Raise RuntimeError on every rank when any rank has a problem. Collective."""
+    message = ranks_problem(api, connector.allgather(problem))
+    if message is not None:
+        raise RuntimeError(message)
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, KeyError) and error.args and isinstance(error.args[0], int):
+        status = error.args[0]
+        return f"NCCL status {status} ({NCCL_STATUS.get(status, 'unknown')})"
+    return f"{type(error).__name__}: {error}"
+
+
+def _select_gpu(connector: MPIConnector) -> int:
+    """Make this rank's GPU current; raise on every rank if ranks share one NCCL cannot share."""
+    problem, bus = None, None
+    try:
+        device = select_device(connector.local_rank)
+        import cupy
+
+        bus = cupy.cuda.Device(device).pci_bus_id
+    except Exception as error:
+        device, problem = -1, f"selecting a GPU for local rank {connector.local_rank}: {error}"
+    may_share = (os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"
+                 and (nccl_version() or (0, 0, 0)) >= MULTI_RANK_GPU_VERSION)
+    everyone = connector.allgather((problem, platform.node(), bus, may_share))
+    users: dict[tuple[str, str], list[int]] = {}
+    for rank, (_, host, gpu, _) in enumerate(everyone):
+        if gpu is not None:
+            users.setdefault((host, gpu), []).append(rank)
+    problems = [p for p, _, _, _ in everyone]
+    for (host, gpu), ranks in users.items():
+        if len(ranks) > 1 and not all(everyone[r][3] for r in ranks):
+            for r in ranks:
+                problems[r] = problems[r] or (
+                    f"ranks {', '.join(map(str, ranks))} share GPU {gpu} on {host}; got "
+                    f"{len(ranks)} ranks on one GPU, expected one GPU per rank; start one rank "
+                    "per GPU, set NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL >= 2.30, experimental), "
+                    "or use backend: mpi")
+    message = ranks_problem("NcclCommunicator", problems)
+    if message is not None:
+        raise RuntimeError(message)
+    return device
+
+
+class NcclCommunicator(Communicator):
+    """Communicator on CuPy arrays through NCCL. See ``Communicator`` for every collective.
+
+    Streams: the communicator owns a non-blocking CUDA stream. Each primitive records an event
+    on the caller's current stream and makes the NCCL stream wait on it (NCCL reads inputs only
+    after the kernels that wrote them), enqueues NCCL there, records a done event, and makes
+    the current stream wait on that (later kernels, copies and ``.get()`` see the result and
+    never overwrite a buffer NCCL still uses). Arrays stay referenced until their done event
+    has fired: CuPy's memory pool is per stream and would hand a freed block to another
+    allocation while NCCL still reads it. With ``stall_timeout`` set (the default) each
+    primitive then waits on the host for its done event, polling NCCL for asynchronous errors;
+    past the deadline it aborts the communicator and raises RuntimeError. With
+    ``stall_timeout=None`` a primitive returns once its work is enqueued.
+
+    Each rank uses GPU ``local_rank % gpu_count()`` (respecting CUDA_VISIBLE_DEVICES). Ranks
+    may share a GPU only with NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1 (experimental).
+
+    Args:
+        connector: the MPI world; carries the unique id and the collective checks.
+        stream: the CuPy stream NCCL runs on; None creates a non-blocking one.
+        **kwargs: ``check`` and ``stall_timeout``, see ``Communicator``.
+
+    Raises:
+        RuntimeError: on every rank, before any NCCL call, when some rank cannot run NCCL;
+            the message names those ranks and what is missing.
+    """
+
+    backend_name = "nccl"
+
+    def __init__(self, connector: MPIConnector, *, stream: Any = None, **kwargs: Any) -> None:
+        _agree(connector, "make_communicator('nccl')", nccl_unavailable_reason())
+        self.device = _select_gpu(connector)
+        import cupy
+        from cupy.cuda import nccl
+
+        uid = broadcast_unique_id(connector)
+        comm, problem = None, None
+        try:
+            comm = nccl.NcclCommunicator(connector.size, uid, connector.rank)
+        except Exception as error:
+            problem = f"ncclCommInitRank failed: {_describe(error)}"
+        try:
+            _agree(connector, "NcclCommunicator", problem)
+            super().__init__(connector, **kwargs)
+        except BaseException:
+            if comm is not None:
+                comm.abort()
+            raise
+        self._cupy, self._nccl, self._comm = cupy, nccl, comm
+        self._stream = cupy.cuda.Stream(non_blocking=True) if stream is None else stream
+        self._token = cupy.zeros(1, cupy.float32)  # barrier's one-element allreduce
+        self._in_flight: list[tuple[Any, tuple[Any, ...]]] = []
+        self._aborted = False
+
+    # ---------------------------------------------------------------- primitives
+
+    def _allreduce(self, send: Any, recv: Any, op: str) -> None:
+        self._launch("allreduce", (send, recv), send.size, lambda s: self._comm.allReduce(
+            send.data.ptr, recv.data.ptr, send.size, _dt(send), NCCL_OPS[op], s))
+
+    def _reduce_scatter(self, send: Any, recv: Any, op: str) -> None:
+        self._launch("reduce_scatter", (send, recv), recv.size, lambda s: self._comm.reduceScatter(
+            send.data.ptr, recv.data.ptr, recv.size, _dt(send), NCCL_OPS[op], s))
+
+    def _allgather(self, send: Any, recv: Any) -> None:
+        self._launch("allgather", (send, recv), send.size, lambda s: self._comm.allGather(
+            send.data.ptr, recv.data.ptr, send.size, _dt(send), s))
+
+    def _broadcast(self, buf: Any, root: int) -> None:
+        self._launch("broadcast", (buf,), buf.size, lambda s: self._comm.bcast(
+            buf.data.ptr, buf.size, _dt(buf), root, s))
+
+    def _reduce(self, send: Any, recv: Any, op: str, root: int) -> None:
+        target = send if recv is None else recv  # NCCL ignores recvbuff off the root
+        self._launch("reduce", (send, target), send.size, lambda s: self._comm.reduce(
+            send.data.ptr, target.data.ptr, send.size, _dt(send), NCCL_OPS[op], root, s))
+
+    def _send(self, buf: Any, peer: int) -> None:
+        self._launch("send", (buf,), buf.size, lambda s: self._grouped(
+            lambda: self._comm.send(buf.data.ptr, buf.size, _dt(buf), peer, s)))
+
+    def _recv(self, buf: Any, peer: int) -> None:
+        self._launch("recv", (buf,), buf.size, lambda s: self._grouped(
+            lambda: self._comm.recv(buf.data.ptr, buf.size, _dt(buf), peer, s)))
+
+    def _barrier(self) -> None:
+        token = self._token
+        done = self._launch("barrier", (token,), 1, lambda s: self._comm.allReduce(
+            token.data.ptr, token.data.ptr, 1, NCCL_DTYPES["float32"], NCCL_OPS["sum"], s))
+        if done is not None and self.stall_timeout is None:
+            done.synchronize()  # a barrier returns only when every rank has arrived
+
+    def _close_backend(self) -> None:
+        if self._comm is None:
+            return
+        try:
+            if not self._aborted:
+                done = self._stream.record()
+                if self.stall_timeout is None:
+                    done.synchronize()
+                else:
+                    self._wait("close", done)  # destroy would block on unfinished work
+                self._comm.destroy()
+        except Exception as error:
+            self._abort()
+            raise RuntimeError(f"close: NCCL communicator of rank {self.rank} failed to shut "
+                               f"down: {_describe(error)}; it was aborted") from error
+        finally:
+            self._comm = None
+            self._in_flight.clear()
+
+    # ---------------------------------------------------------------- checks, streams, watchdog
+
+    def _check_arrays(self, api: str, arrays: list[Any]) -> None:
+        for a in arrays:
+            if not is_cupy_array(a):
+                raise TypeError(
+                    f"{api}: nccl backend moves CuPy arrays; got {type(a).__module__}."
+                    f"{type(a).__qualname__}; use backend 'mpi' for host arrays or "
+                    "cupy.asarray(x)")
+            if a.device.id != self.device:
+                raise ValueError(
+                    f"{api}: array is on GPU {a.device.id} (rank {self.rank}); expected GPU "
+                    f"{self.device}, this rank's (local_rank % gpu_count()); allocate it under "
+                    f"cupy.cuda.Device({self.device})")
+
+    def _work(self) -> None:
+        self._cupy.cuda.Device(self.device).use()  # the async thread's own current device
+        super()._work()
+
+    def _grouped(self, call: Callable[[], None]) -> None:
+        self._nccl.groupStart()
+        try:
+            call()
+        finally:
+            self._nccl.groupEnd()
+
+    def _launch(self, api: str, arrays: tuple[Any, ...], count: int,
+                enqueue: Callable[[int], None]) -> Any:
+        """Enqueue one NCCL call behind the current stream's work; return its done event."""
+        if self._aborted or self._comm is None:
+            raise RuntimeError(f"{api}: the NCCL communicator of rank {self.rank} was aborted "
+                               "after an earlier failure; create a new communicator")
+        self._check_arrays(api, list(arrays))  # out= arrays reach here unchecked by the base
+        if count == 0:
+            return None
+        cupy = self._cupy
+        with cupy.cuda.Device(self.device):
+            current = cupy.cuda.get_current_stream()
+            self._stream.wait_event(current.record())
+            try:
+                enqueue(self._stream.ptr)
+            except Exception as error:
+                self._abort()
+                raise RuntimeError(f"nccl {api} failed on rank {self.rank}: {_describe(error)}; "
+                                   f"{ABORTED}") from error
+            done = self._stream.record()
+            current.wait_event(done)
+        self._in_flight = [(e, a) for e, a in self._in_flight if not e.done]
+        self._in_flight.append((done, arrays))
+        if self.stall_timeout is not None:
+            self._wait(api, done)
+        return done
+
+    def _wait(self, api: str, done: Any) -> None:
+        """Poll ``done`` and NCCL's async error; abort and raise on an error or past the deadline."""
+        deadline, pause = time.monotonic() + self.stall_timeout, 1e-5
+        while not done.done:
+            try:
+                self._comm.check_async_error()
+            except Exception as error:  # NcclError, or KeyError for statuses CuPy cannot name
+                self._abort()
+                raise RuntimeError(f"nccl {api} failed on rank {self.rank}: {_describe(error)}; "
+                                   f"{ABORTED}") from error
+            if time.monotonic() > deadline:
+                self._abort()
+                raise RuntimeError(
+                    f"nccl {api} stalled on rank {self.rank}: not finished after "
+                    f"{self.stall_timeout:g} s and NCCL reports no error; some rank did not call "
+                    f"the same collective, or is stuck; {ABORTED}")
+            time.sleep(pause)  # a host core spinning here would slow the peers sharing it
+            pause = min(2 * pause, 1e-3)
+        self._in_flight.clear()  # the stream is in order: everything before done has finished
+
+    def _abort(self) -> None:
+        if self._comm is not None and not self._aborted:
+            self._aborted = True
+            try:
+                self._comm.abort()
+            except Exception:  # already failing: the error being raised is the one to report
+                pass
+
+
+def _dt(arr: Any) -> int:
+    return NCCL_DTYPES[arr.dtype.name]

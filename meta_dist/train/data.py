@@ -1,0 +1,103 @@
+"""Datasets and the per-rank sampler.
+
+Imports numpy only. Data stays on the host; the trainer moves each batch to the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+
+def synthetic_classification(num_samples: int, input_shape: tuple[int, ...], num_classes: int,
+                             seed: int, dtype: str = "float32",
+                             teacher: Callable[[np.ndarray], np.ndarray] | None = None,
+                             ) -> tuple[np.ndarray, np.ndarray]:
+    """Return random inputs labelled by a fixed reference model, so the task is learnable.
+
+    Args:
+        num_samples: how many samples.
+        input_shape: the shape of one sample.
+        num_classes: the number of labels.
+        seed: the same seed gives the same data on every rank.
+        dtype: the inputs' dtype.
+        teacher: the reference model, mapping a batch of inputs (numpy) to class scores;
+            by default a fixed random linear map of the flattened input.
+    """
+    rng = np.random.default_rng([seed, 1])
+    x = rng.standard_normal((num_samples, *input_shape)).astype(dtype)
+    if teacher is None:
+        weights = rng.standard_normal((int(np.prod(input_shape)), num_classes))
+        scores = x.reshape(num_samples, -1) @ weights
+    else:
+        scores = np.asarray(teacher(x), np.float64)
+    # centre and scale each class's score over the data set, so no class takes every sample
+    scores = (scores - scores.mean(axis=0)) / (scores.std(axis=0) + 1e-12)
+    return x, np.argmax(scores, axis=1).astype(np.int64)
+
+
+def load_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """Load inputs ``x`` and integer labels ``y`` from an .npz file.
+
+    Raises:
+        ValueError: the file lacks ``x`` or ``y``, or their lengths differ.
+    """
+    with np.load(path) as data:
+        missing = [k for k in ("x", "y") if k not in data.files]
+        if missing:
+            raise ValueError(f"{path}: missing array(s) {missing}; got {data.files}, expected "
+                             "arrays named 'x' (inputs) and 'y' (integer labels)")
+        x, y = data["x"], data["y"]
+    if len(x) != len(y) or y.ndim != 1 or y.dtype.kind not in "iu":
+        raise ValueError(f"{path}: x has {len(x)} samples and y has shape {y.shape}, dtype "
+                         f"{y.dtype}; expected y of shape ({len(x)},) with integer labels")
+    return x, y.astype(np.int64)
+
+
+class DistributedSampler:
+    """Split each global batch across ranks (PyTorch DistributedSampler semantics).
+
+    Every epoch draws one permutation from (seed, epoch), the same on every rank; global batch s
+    is ``perm[s*B:(s+1)*B]`` and rank r takes its r-th part of b = B/size samples, so the ranks'
+    parts are disjoint and their union is the global batch. The incomplete last batch is
+    dropped, so every rank runs the same number of steps (an uneven last batch would leave
+    ranks waiting in a collective).
+
+    Args:
+        num_samples: dataset length.
+        batch_size: the global batch B (must divide by size).
+        rank: this rank.
+        size: number of data-parallel ranks.
+        seed: shared seed for the permutation.
+        shuffle: permute every epoch; otherwise take samples in order.
+        max_steps: stop each epoch after this many steps (None: as many as fit).
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, rank: int, size: int, seed: int = 0,
+                 shuffle: bool = True, max_steps: int | None = None) -> None:
+        if batch_size % size:
+            raise ValueError(f"DistributedSampler: batch_size {batch_size} does not split over "
+                             f"{size} ranks; expected a multiple of {size}")
+        if num_samples < batch_size:
+            raise ValueError(f"DistributedSampler: the dataset has {num_samples} samples, fewer "
+                             f"than one global batch of {batch_size}; use a smaller batch_size")
+        self.num_samples, self.batch_size = num_samples, batch_size
+        self.rank, self.size, self.seed, self.shuffle = rank, size, seed, shuffle
+        full = num_samples // batch_size
+        self.steps_per_epoch = full if max_steps is None else min(full, max_steps)
+
+    @property
+    def local_batch_size(self) -> int:
+        """Samples per step on this rank."""
+        return self.batch_size // self.size
+
+    def epoch(self, epoch: int) -> Iterator[np.ndarray]:
+        """Yield this rank's sample indices for each step of ``epoch``."""
+        order = (np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+                 if self.shuffle else np.arange(self.num_samples))
+        b = self.local_batch_size
+        for step in range(self.steps_per_epoch):
+            batch = order[step * self.batch_size : (step + 1) * self.batch_size]
+            yield batch[self.rank * b : (self.rank + 1) * b]

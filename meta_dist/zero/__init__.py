@@ -1,0 +1,13 @@
+"""ZeRO data parallelism on flat buffers (Rajbhandari et al., arXiv 1910.02054).
+
+Imports meta_dist.comm (the Communicator interface), meta_dist.nn and meta_dist.optim.
+``partition`` is the plan (pure maths), ``flat`` binds a model to flat buffers, and ``stages``
+holds one class per ZeRO level; the whole difference between the levels lives there.
+"""
+
+from meta_dist.zero.flat import FlatModel
+from meta_dist.zero.partition import Bucket, padded_size, plan_buckets
+from meta_dist.zero.stages import STAGES, ZeroStage, ZeroStage0, ZeroStage1, ZeroStage2
+
+__all__ = ["STAGES", "Bucket", "FlatModel", "ZeroStage", "ZeroStage0", "ZeroStage1",
+           "ZeroStage2", "padded_size", "plan_buckets"]

@@ -1,0 +1,283 @@
+"""NCCL backend: bootstrap and failure on any machine; every collective on CuPy arrays on a GPU.
+
+Every skip is decided collectively (``connector.allgather``), so all ranks skip or none does.
+Without cupy only the failure tests run; with cupy but no GPU the unique id and version tests run
+too; the ``gpu`` tests need a GPU per rank, or NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1 to
+share one. GPU inputs are the numpy inputs of test_collectives, moved to the device.
+"""
+
+import os
+
+import numpy as np
+import pytest
+from conftest import same_on_every_rank
+from test_collectives import DTYPES, LENGTHS, OPS, assert_matches, rank_input, reference, valid
+from test_staging import staged_communicator
+
+from meta_dist import make_communicator
+from meta_dist.comm import nccl_backend
+from meta_dist.comm.nccl_backend import (
+    MULTI_RANK_GPU_VERSION,
+    broadcast_unique_id,
+    decode_nccl_version,
+    nccl_unavailable_reason,
+    nccl_version,
+)
+from meta_dist.xp import cupy_or_none, gpu_count
+
+
+def collective_skip(connector, problem, what):
+    """Skip on every rank if any rank has a problem; the reason names those ranks."""
+    problems = connector.allgather(problem)
+    bad = [r for r, p in enumerate(problems) if p]
+    if bad:
+        first = next(p for p in problems if p)
+        pytest.skip(f"{what}: rank(s) {', '.join(map(str, bad))}: {first}")
+
+
+@pytest.fixture(scope="module")
+def cp(connector):
+    """The cupy module on every rank, or a collective skip."""
+    problem = None if cupy_or_none() is not None else (
+        "cupy does not import; pip install 'meta_dist[gpu]'")
+    collective_skip(connector, problem, "needs cupy")
+    return cupy_or_none()
+
+
+@pytest.fixture(scope="module")
+def gpu(connector, cp):
+    """A GPU per rank with NCCL (or a shareable one), or a collective skip."""
+    collective_skip(connector, nccl_unavailable_reason(), "needs NCCL and a GPU")
+    shareable = (os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"
+                 and (nccl_version() or (0, 0, 0)) >= MULTI_RANK_GPU_VERSION)
+    shortfall = gpu_count() < connector.local_size and not shareable
+    collective_skip(connector, shortfall and (
+        f"{connector.local_size} ranks on this node, {gpu_count()} GPU(s); NCCL needs one GPU "
+        "per rank unless NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1"), "needs a GPU per rank")
+    return cp
+
+
+@pytest.fixture(scope="module")
+def ncomm(connector, gpu):
+    comm = make_communicator("nccl", connector)
+    yield comm
+    comm.close()
+
+
+# ---------------------------------------------------------------- no GPU needed
+
+def test_unique_id_is_identical_on_every_rank(connector, cp):
+    from cupy.cuda import nccl
+
+    collective_skip(connector, None if nccl.available else "libnccl does not load", "needs NCCL")
+    uid = broadcast_unique_id(connector)
+    raw = bytes(uid) if isinstance(uid, bytes) else bytes(b & 0xFF for b in uid)  # CuPy 13: ints
+    assert len(raw) == 128
+    assert all(other == raw for other in connector.allgather(raw))
+    assert type(uid) is type(nccl.get_unique_id())  # passed through as NCCL made it
+
+
+def test_nccl_version_decodes(connector, cp):
+    from cupy.cuda import nccl
+
+    collective_skip(connector, None if nccl.available else "libnccl does not load", "needs NCCL")
+    version = nccl_version()
+    assert version == decode_nccl_version(nccl.get_version())
+    assert version[0] == 2 and version >= (2, 9, 0)
+    assert decode_nccl_version(23203) == (2, 32, 3) and decode_nccl_version(2804) == (2, 8, 4)
+
+
+def test_make_communicator_fails_on_every_rank_without_nccl(connector):
+    reasons = connector.allgather(nccl_unavailable_reason())
+    if not any(reasons):
+        pytest.skip("every rank can run NCCL here")
+    with pytest.raises(RuntimeError) as err:
+        make_communicator("nccl", connector)
+    message = str(err.value)
+    missing = sum(r is not None for r in reasons)
+    assert f"NCCL cannot run on {missing} of {connector.size} ranks" in message
+    assert "backend: mpi" in message and "meta_dist[gpu]" in message
+    for reason in reasons:
+        assert reason is None or reason in message
+    assert connector.allgather("alive") == ["alive"] * connector.size  # nobody is stuck
+
+
+@pytest.mark.mpi(min_size=2)
+def test_one_rank_without_nccl_fails_every_rank(connector, monkeypatch):
+    last = connector.size - 1
+    if connector.rank == last:
+        monkeypatch.setattr(nccl_backend, "nccl_unavailable_reason",
+                            lambda: "simulated: no GPU on this rank")
+    with pytest.raises(RuntimeError, match=f"rank {last}: simulated: no GPU on this rank"):
+        make_communicator("nccl", connector)
+    assert connector.allgather("alive") == ["alive"] * connector.size
+
+
+# ---------------------------------------------------------------- on a GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_allreduce(ncomm, connector, gpu, dtype, op):
+    if not valid(op, dtype):
+        pytest.skip("avg needs a floating dtype")
+    for n in LENGTHS:
+        inputs = [rank_input(n, r, (n,), dtype, op) for r in range(ncomm.size)]
+        ref = reference(inputs, op)
+        mine = gpu.asarray(inputs[ncomm.rank])
+        assert_matches(ncomm.allreduce(mine, op).get(), ref, ncomm.size)
+        np.testing.assert_array_equal(mine.get(), inputs[ncomm.rank])
+        assert ncomm.allreduce(mine, op, out=mine) is mine
+        assert_matches(mine.get(), ref, ncomm.size)
+        assert same_on_every_rank(connector, mine.get())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_reduce_scatter(ncomm, gpu, dtype, op):
+    if not valid(op, dtype):
+        pytest.skip("avg needs a floating dtype")
+    for m in (1, 5, 40001):
+        inputs = [rank_input(m, r, (m * ncomm.size,), dtype, op) for r in range(ncomm.size)]
+        rows = slice(ncomm.rank * m, (ncomm.rank + 1) * m)
+        ref = reference(inputs, op)[rows]
+        assert_matches(ncomm.reduce_scatter(gpu.asarray(inputs[ncomm.rank]), op).get(), ref,
+                       ncomm.size)
+        buf = gpu.asarray(inputs[ncomm.rank])
+        ncomm.reduce_scatter(buf, op, out=buf[rows])  # in place: recv = send + rank*m
+        assert_matches(buf[rows].get(), ref, ncomm.size)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allgather(ncomm, gpu, dtype):
+    for m in (1, 3, 20001):
+        inputs = [rank_input(m, r, (m, 2), dtype) for r in range(ncomm.size)]
+        got = ncomm.allgather(gpu.asarray(inputs[ncomm.rank]))
+        np.testing.assert_array_equal(got.get(), np.concatenate(inputs))
+        out = gpu.zeros((m * ncomm.size, 2), dtype)
+        rows = slice(ncomm.rank * m, (ncomm.rank + 1) * m)
+        out[rows] = gpu.asarray(inputs[ncomm.rank])
+        ncomm.allgather(out[rows], out=out)  # in place: send = recv + rank*m
+        np.testing.assert_array_equal(out.get(), np.concatenate(inputs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_broadcast(ncomm, gpu, dtype):
+    for root in range(ncomm.size):
+        for n in (1, 70001):
+            inputs = [rank_input(n + root, r, (n,), dtype) for r in range(ncomm.size)]
+            got = ncomm.broadcast(gpu.asarray(inputs[ncomm.rank]), root)
+            np.testing.assert_array_equal(got.get(), inputs[root])
+            buf = gpu.asarray(inputs[ncomm.rank])
+            assert ncomm.broadcast(buf, root, out=buf) is buf
+            np.testing.assert_array_equal(buf.get(), inputs[root])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_reduce(ncomm, gpu, dtype, op):
+    if not valid(op, dtype):
+        pytest.skip("avg needs a floating dtype")
+    for root in range(ncomm.size):
+        inputs = [rank_input(root, r, (1001,), dtype, op) for r in range(ncomm.size)]
+        got = ncomm.reduce(gpu.asarray(inputs[ncomm.rank]), root, op)
+        buf = gpu.asarray(inputs[ncomm.rank])
+        in_place = ncomm.reduce(buf, root, op, out=buf)
+        if ncomm.rank != root:
+            assert got is None and in_place is None
+            continue
+        assert_matches(got.get(), reference(inputs, op), ncomm.size)
+        assert in_place is buf
+        assert_matches(buf.get(), reference(inputs, op), ncomm.size)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "allgather",
+                                        "broadcast", "reduce"])
+def test_fused_lists(ncomm, gpu, collective):
+    shapes = [(ncomm.size * 3,), (ncomm.size, 5), (ncomm.size * 2, 2, 2)]
+    arrays = [gpu.asarray(rank_input(i, ncomm.rank, s, "float64")) for i, s in enumerate(shapes)]
+    run = {"allreduce": lambda a: ncomm.allreduce(a),
+           "reduce_scatter": lambda a: ncomm.reduce_scatter(a),
+           "allgather": lambda a: ncomm.allgather(a),
+           "broadcast": lambda a: ncomm.broadcast(a, root=ncomm.size - 1),
+           "reduce": lambda a: ncomm.reduce(a, root=0)}[collective]
+    fused, one_by_one = run(arrays), [run(a) for a in arrays]
+    if fused is None:
+        assert all(x is None for x in one_by_one)
+        return
+    for f, o in zip(fused, one_by_one):
+        np.testing.assert_array_equal(f.get(), o.get())
+    in_place = [gpu.full(n, ncomm.rank + 1.0) for n in (3, 1, 4)]
+    assert all(r is a for r, a in zip(ncomm.allreduce(in_place, out=in_place), in_place))
+    assert all(bool((a == ncomm.size * (ncomm.size + 1) / 2).all()) for a in in_place)
+
+
+@pytest.mark.gpu
+def test_async_barrier_and_host_arrays(ncomm, gpu):
+    a = gpu.full(100, float(ncomm.rank))
+    handles = [ncomm.allreduce_async(a), ncomm.broadcast_async(a, root=0)]
+    np.testing.assert_array_equal(handles[0].wait().get(), ncomm.size * (ncomm.size - 1) / 2)
+    np.testing.assert_array_equal(handles[1].wait().get(), np.zeros(100))
+    ncomm.barrier()
+    with pytest.raises(TypeError, match="nccl backend moves CuPy arrays; got numpy.ndarray"):
+        ncomm.allreduce(np.ones(3))
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi(min_size=2)
+def test_send_recv(ncomm, gpu):
+    x = gpu.asarray(rank_input(7, 0, (2048,), "float16"))
+    got = gpu.empty_like(x)
+    if ncomm.rank == 0:
+        ncomm.send(x, peer=1)
+        ncomm.recv(got, peer=1)
+        np.testing.assert_array_equal(got.get(), x.get())
+    elif ncomm.rank == 1:
+        ncomm.recv(got, peer=0)
+        ncomm.send(got, peer=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,op", [("float32", "sum"), ("float64", "avg"), ("uint8", "sum"),
+                                      ("int32", "max")])
+def test_cupy_arrays_through_mpi_backend(connector, gpu, dtype, op):
+    comm = staged_communicator(connector)  # CUDA-aware when every rank's MPI says so
+    try:
+        for n in (7, 70001):
+            inputs = [rank_input(n, r, (n * comm.size,), dtype, op) for r in range(comm.size)]
+            mine = gpu.asarray(inputs[comm.rank])
+            assert_matches(comm.allreduce(mine, op).get(), reference(inputs, op), comm.size)
+            assert comm.allreduce(mine, op, out=mine) is mine
+            assert_matches(mine.get(), reference(inputs, op), comm.size)
+            if op in ("sum", "avg"):
+                rows = slice(comm.rank * n, (comm.rank + 1) * n)
+                buf = gpu.asarray(inputs[comm.rank])
+                comm.reduce_scatter(buf, op, out=buf[rows])
+                assert_matches(buf[rows].get(), reference(inputs, op)[rows], comm.size)
+            out = gpu.zeros(n * comm.size * comm.size, dtype)
+            part = slice(comm.rank * n * comm.size, (comm.rank + 1) * n * comm.size)
+            out[part] = gpu.asarray(inputs[comm.rank])
+            comm.allgather(out[part], out=out)
+            np.testing.assert_array_equal(out.get(), np.concatenate(inputs))
+            np.testing.assert_array_equal(comm.broadcast(gpu.asarray(inputs[comm.rank]),
+                                                         root=comm.size - 1).get(), inputs[-1])
+    finally:
+        comm.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi(min_size=2)
+def test_watchdog_aborts_a_stalled_collective(connector, gpu):
+    comm = make_communicator("nccl", connector, check=False, stall_timeout=3.0)
+    try:
+        if comm.rank == 0:  # the peers never join: NCCL alone would wait forever
+            with pytest.raises(RuntimeError, match="nccl allreduce stalled.*rank 0.*aborted"):
+                comm.allreduce(gpu.ones(10, gpu.float32))
+        connector.barrier()
+    finally:
+        comm.close()

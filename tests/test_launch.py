@@ -1,0 +1,97 @@
+"""Whole jobs under real mpirun: the examples, hostfiles, and what happens when a rank fails."""
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+from mpirun import ROOT, flavour, run
+
+
+def test_ping_pong_exact():
+    result = run(2, ["scripts/distributed/ping_pong.py"], timeout=120)
+    assert result.returncode == 0, str(result)
+    assert "max error 0.0, mean error 0.0" in result.output, str(result)
+
+
+def test_exception_on_one_rank_aborts_job_with_traceback():
+    start = time.monotonic()
+    result = run(4, ["tests/scripts/raise_on_rank1.py"], timeout=120)
+    assert not result.timed_out and result.returncode != 0, str(result)
+    assert time.monotonic() - start < 30
+    assert "[rank 1] uncaught exception" in result.output, str(result)
+    assert "RuntimeError: deliberate failure on rank 1" in result.output, str(result)
+    assert "unreachable" not in result.output
+
+
+def test_rank_that_skips_a_collective_is_reported_not_hung():
+    result = run(2, ["tests/scripts/skip_collective.py"], timeout=120)
+    assert not result.timed_out and result.returncode != 0, str(result)
+    assert "waited 3 s for the other ranks to reach this collective" in result.output, str(result)
+
+
+def test_shape_mismatch_names_every_rank():
+    result = run(3, ["tests/scripts/mismatch.py"], timeout=120)
+    assert not result.timed_out and result.returncode != 0, str(result)
+    assert re.search(r"rank 0: allreduce of float32 \(2, 2\); rank 1: allreduce of float32 "
+                     r"\(2, 3\); rank 2: allreduce of float32 \(2, 4\)", result.output), str(result)
+
+
+def test_local_hostfile_launch():
+    hostfile = ROOT / "hostfiles" / f"localhost-{flavour()}.txt"
+    result = run(4, ["scripts/distributed/ping_pong.py"], hostfile=str(hostfile), timeout=120)
+    assert result.returncode == 0, str(result)
+    assert "max error 0.0" in result.output
+
+
+@pytest.mark.parametrize("name", ["openmpi-cluster.txt", "mpich-cluster.txt"])
+def test_cluster_hostfile_examples_have_the_documented_format(name):
+    lines = [ln for ln in Path(ROOT / "hostfiles" / name).read_text().splitlines()
+             if ln and not ln.startswith("#")]
+    pattern = r"^node\d slots=4$" if name.startswith("openmpi") else r"^node\d:4$"
+    assert lines == [f"node{i}" + (" slots=4" if "openmpi" in name else ":4") for i in (1, 2)]
+    assert all(re.match(pattern, ln) for ln in lines)
+
+
+def epoch_losses(output):
+    return [float(m) for m in re.findall(r"^epoch \d+/\d+  loss ([0-9.]+)", output, re.M)]
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_dist_example_levels_agree_and_loss_falls(ranks):
+    losses = {}
+    for config in ("dp", "zero1", "zero2"):
+        result = run(ranks, ["scripts/distributed/dist_example.py", "--config",
+                             f"configs/{config}.yaml", "n_epoch=3"], timeout=300)
+        assert result.returncode == 0, str(result)
+        assert "train_config:" in result.output and "meta_dist_config:" in result.output
+        assert f"zero_opt_level       = {config[-1] if config != 'dp' else 0}" in result.output
+        losses[config] = epoch_losses(result.output)
+        assert len(losses[config]) == 3 and losses[config][-1] < losses[config][0], str(result)
+        assert result.output.count("  rank ") >= ranks  # every rank's memory line
+    # the three levels train the same model: losses agree to float32 rounding
+    for config in ("zero1", "zero2"):
+        assert losses[config] == pytest.approx(losses["dp"], rel=1e-5)
+
+
+def test_dist_example_with_hostfile():
+    hostfile = ROOT / "hostfiles" / f"localhost-{flavour()}.txt"
+    result = run(4, ["scripts/distributed/dist_example.py", "zero_opt_level=2", "n_epoch=2"],
+                 hostfile=str(hostfile), timeout=300)
+    assert result.returncode == 0, str(result)
+    assert len(epoch_losses(result.output)) == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["zero_opt_level=3"], "ZeRO-3 (parameter partitioning) is not supported yet"),
+    (["zero_opt_levle=1"], "Did you mean 'zero_opt_level'"),
+    (["batch_size=65"], "does not split across 2 ranks"),
+    (["enable_data_parallel=false", "zero_opt_level=1"], "enable_data_parallel"),
+    (["--config", "configs/missing.yaml"], "configs/missing.yaml"),
+])
+def test_dist_example_bad_config_fails_fast_once(args, message):
+    result = run(2, ["scripts/distributed/dist_example.py", *args], timeout=120)
+    assert result.returncode != 0 and not result.timed_out, str(result)
+    assert message in result.output, str(result)
+    assert result.output.count("dist_example:") == 1, str(result)  # printed once, by rank 0
+    assert "epoch 1" not in result.output
