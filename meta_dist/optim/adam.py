@@ -81,7 +81,7 @@ class Adam(Optimizer):
         return ("exp_avg", "exp_avg_sq")
 
     def _update(self, param: Array, grad: Array, piece: slice) -> None:
-        xp, scratch = self.xp, self._scratch[piece]
+        xp, scratch = self.xp, self._scratch[: piece.stop - piece.start]
         exp_avg, exp_avg_sq = self.state["exp_avg"][piece], self.state["exp_avg_sq"][piece]
         if self.decoupled_weight_decay and self.weight_decay != 0:
             param *= 1 - self.lr * self.weight_decay

@@ -17,6 +17,8 @@ import numpy as np
 
 from meta_dist.xp import array_module, to_numpy
 
+HOST_BLOCK = 16384  # elements per pass on the host: 5 float32 blocks of 64 KiB stay in L2
+
 Array = Any  # numpy.ndarray or cupy.ndarray; the array module is whatever the optimizer was given
 
 
@@ -61,8 +63,15 @@ class Optimizer:
         self._decayed_grad: Array | None = None
 
     def _workspace(self) -> Array:
-        """Allocate an uninitialised buffer of length ``numel`` (workspace, not state)."""
-        return self.xp.empty(self.numel, dtype=self.dtype)
+        """Allocate an uninitialised buffer for one block (workspace, not state)."""
+        return self.xp.empty(min(self.numel, self._block or self.numel), dtype=self.dtype)
+
+    @property
+    def _block(self) -> int | None:
+        """Elements updated per pass on the host: each numpy ufunc is one pass over memory, so
+        a block that stays in cache turns the rule's ~12 passes into about one (measured 26 ms
+        -> 16 ms for Adam on 1.9M float32). On a GPU one kernel per op is best (None)."""
+        return HOST_BLOCK if self.xp is np else None
 
     def _use_l2_decay(self, weight_decay: float) -> None:
         """Make ``_add_l2_decay`` add ``weight_decay * param`` to the grads (if non-zero)."""
@@ -76,7 +85,9 @@ class Optimizer:
         raise NotImplementedError
 
     def _update(self, param: Array, grad: Array, piece: slice) -> None:
-        """Update one piece in place; ``piece`` locates it in the state and workspace arrays.
+        """Update one piece in place; ``piece`` locates it in the state arrays.
+
+        The workspace arrays are one block long: use ``workspace[: piece.stop - piece.start]``.
 
         ``step_count`` has already been incremented for this step.
         """
@@ -97,11 +108,14 @@ class Optimizer:
         """
         pieces = self._check_pieces(params, grads)
         self.step_count += 1
-        offset = 0
+        offset, block = 0, self._block
         for param, grad in pieces:
-            end = offset + param.size
-            self._update(param, grad, slice(offset, end))
-            offset = end
+            step = block or max(param.size, 1)
+            for start in range(0, param.size, step):
+                stop = min(start + step, param.size)
+                self._update(param[start:stop], grad[start:stop],
+                             slice(offset + start, offset + stop))
+            offset += param.size
 
     def _check_pieces(self, params: Any, grads: Any) -> list[tuple[Array, Array]]:
         """Pair params with grads and check them all before anything is written."""
@@ -141,7 +155,7 @@ class Optimizer:
         """Return ``grad + weight_decay * param`` (PyTorch's L2 form), or ``grad`` if unused."""
         if self._decayed_grad is None:
             return grad
-        out = self._decayed_grad[piece]
+        out = self._decayed_grad[: piece.stop - piece.start]
         self.xp.multiply(param, self._l2_weight_decay, out=out)
         out += grad
         return out

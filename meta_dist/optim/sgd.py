@@ -78,7 +78,7 @@ class SGD(Optimizer):
         return ("momentum_buffer",) if self.momentum != 0 else ()
 
     def _update(self, param: Array, grad: Array, piece: slice) -> None:
-        xp, scratch = self.xp, self._scratch[piece]
+        xp, scratch = self.xp, self._scratch[: piece.stop - piece.start]
         grad = self._add_l2_decay(param, grad, piece)
         if self.momentum != 0:
             buf = self.state["momentum_buffer"][piece]

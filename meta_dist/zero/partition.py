@@ -60,7 +60,8 @@ def plan_buckets(layer_numels: list[int], bucket_numel: int, world: int) -> list
     Args:
         layer_numels: parameter elements of each layer, in forward order (0 for layers
             without parameters).
-        bucket_numel: target elements per bucket; a layer larger than this is a bucket alone.
+        bucket_numel: target elements per bucket: a bucket closes as soon as it holds at
+            least this many (as PyTorch DDP's buckets), so one large layer fills it alone.
         world: number of ranks the buckets are sharded over.
 
     Returns:

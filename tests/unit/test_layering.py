@@ -1,0 +1,62 @@
+"""Imports point one way: connector <- comm <- zero <- train; nn, optim, config, xp are leaves."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "meta_dist"
+
+# module (or package prefix) -> meta_dist modules it may import
+ALLOWED = {
+    "meta_dist.xp": set(),
+    "meta_dist.config": set(),
+    "meta_dist.connector": set(),
+    "meta_dist.nn": {"meta_dist.xp", "meta_dist.nn"},
+    "meta_dist.optim": {"meta_dist.xp", "meta_dist.optim"},
+    "meta_dist.comm": {"meta_dist.comm", "meta_dist.connector", "meta_dist.xp"},
+    "meta_dist.distributed": {"meta_dist.comm", "meta_dist.connector", "meta_dist.xp"},
+    "meta_dist.zero": {"meta_dist.zero", "meta_dist.comm", "meta_dist.nn", "meta_dist.optim",
+                       "meta_dist.xp"},
+    "meta_dist.train": None,  # the glue: may import everything
+    "meta_dist": None,
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def rule_for(name: str):
+    for prefix in sorted(ALLOWED, key=len, reverse=True):
+        if name == prefix or name.startswith(prefix + "."):
+            return prefix, ALLOWED[prefix]
+    raise AssertionError(f"{name} has no layering rule; add it to ALLOWED")
+
+
+def imports_of(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            yield node.module
+        elif isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+
+
+def test_imports_follow_the_layers():
+    wrong = []
+    for path in PACKAGE.rglob("*.py"):
+        name = module_name(path)
+        prefix, allowed = rule_for(name)
+        if allowed is None:
+            continue
+        for imported in imports_of(path):
+            if not imported.startswith("meta_dist"):
+                continue
+            if not any(imported == a or imported.startswith(a + ".") for a in allowed):
+                wrong.append(f"{name} imports {imported}")
+    assert not wrong, "layering violated:\n" + "\n".join(wrong)
+
+
+def test_leaves_do_not_import_mpi():
+    for leaf in ("nn", "optim", "zero/partition.py", "config.py", "xp.py"):
+        for path in (PACKAGE / leaf).rglob("*.py") if (PACKAGE / leaf).is_dir() else [PACKAGE / leaf]:
+            assert "mpi4py" not in set(imports_of(path)), f"{path} imports mpi4py"
