@@ -21,7 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from meta_dist.connector import MPIConnector
-from meta_dist.xp import array_module
+from meta_dist.xp import array_module, is_cupy_array
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "prod")
 SCATTER_OPS = ("sum", "avg")
@@ -548,14 +548,16 @@ class Communicator(ABC):
         """Raise ValueError on every rank if the ranks called different collectives or shapes."""
         if self.size == 1 or not self.check:
             return
+        on_gpu = is_cupy_array(arrays[0])
         mine = np.array([_KINDS.index(api), (REDUCE_OPS + ("",)).index(op), root,
                          DTYPES.index(arrays[0].dtype), len(arrays),
-                         shape_code([a.shape for a in arrays])], np.int64)
+                         shape_code([a.shape for a in arrays]), on_gpu], np.int64)
         both = np.concatenate([mine, -mine])
         self._wait_for_peers(api, self._check_comm.Iallreduce(MPI.IN_PLACE, both, op=MPI.MAX))
-        if np.array_equal(both[:6], -both[6:]):
+        if np.array_equal(both[: mine.size], -both[mine.size :]):
             return
-        described = f"{api} of {', '.join(f'{a.dtype} {tuple(a.shape)}' for a in arrays)}"
+        kind = "cupy " if on_gpu else ""
+        described = f"{api} of {', '.join(f'{kind}{a.dtype} {tuple(a.shape)}' for a in arrays)}"
         everyone = self._check_comm.allgather(described)
         listing = "; ".join(f"rank {r}: {d}" for r, d in enumerate(everyone))
         raise ValueError(

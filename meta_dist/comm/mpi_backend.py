@@ -22,6 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from meta_dist.comm.base import Communicator
+from meta_dist.comm.staging import HostStaging, staged
 from meta_dist.connector import MPIConnector
 
 MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
@@ -60,12 +61,14 @@ class MpiCommunicator(Communicator):
     ) -> None:
         super().__init__(connector, **kwargs)
         self._comm: MPI.Comm = connector.comm.Dup()
+        self.staging = HostStaging(self._comm)  # CuPy arrays: CUDA-aware MPI or host copies
         self.pairwise_min_bytes = pairwise_min_bytes
         self.segment_bytes = segment_bytes
         self._scratch: dict[np.dtype, np.ndarray] = {}
 
     # ---------------------------------------------------------------- primitives
 
+    @staged("allreduce")
     def _allreduce(self, send: np.ndarray, recv: np.ndarray, op: str) -> None:
         if self.size == 1:
             if recv is not send:
@@ -80,6 +83,7 @@ class MpiCommunicator(Communicator):
         counts = [bounds[r + 1] - bounds[r] for r in range(self.size)]
         self._comm.Allgatherv(MPI.IN_PLACE, [recv, counts, bounds[:-1], _mpi_type(recv)])
 
+    @staged("reduce_scatter")
     def _reduce_scatter(self, send: np.ndarray, recv: np.ndarray, op: str) -> None:
         if self.size == 1:
             if recv is not send:
@@ -97,6 +101,7 @@ class MpiCommunicator(Communicator):
         bounds = [r * recv.size for r in range(self.size + 1)]
         self._pairwise_reduce(send, recv, bounds, op)
 
+    @staged("allgather")
     def _allgather(self, send: np.ndarray, recv: np.ndarray) -> None:
         if self.size == 1:
             if _ptr(recv) != _ptr(send):
@@ -105,10 +110,12 @@ class MpiCommunicator(Communicator):
         in_place = _ptr(send) == _ptr(recv) + self.rank * send.nbytes
         self._comm.Allgather(MPI.IN_PLACE if in_place else send, recv)
 
+    @staged("broadcast")
     def _broadcast(self, buf: np.ndarray, root: int) -> None:
         if self.size > 1:
             self._comm.Bcast(buf, root=root)
 
+    @staged("reduce")
     def _reduce(self, send: np.ndarray, recv: np.ndarray | None, op: str, root: int) -> None:
         if self.size == 1:
             if recv is not send:
@@ -126,9 +133,11 @@ class MpiCommunicator(Communicator):
         else:
             self._comm.Reduce(send, None, op=MPI_OPS[op], root=root)
 
+    @staged("send")
     def _send(self, buf: np.ndarray, peer: int) -> None:
         self._comm.Send(buf, dest=peer)
 
+    @staged("recv")
     def _recv(self, buf: np.ndarray, peer: int) -> None:
         self._comm.Recv(buf, source=peer)
 
@@ -137,6 +146,7 @@ class MpiCommunicator(Communicator):
 
     def _close_backend(self) -> None:
         self._scratch.clear()
+        self.staging.clear()
         self._comm.Free()
 
     # ---------------------------------------------------------------- the pairwise reduction

@@ -333,7 +333,7 @@ class NcclCommunicator(Communicator):
         return done
 
     def _wait(self, api: str, done: Any) -> None:
-        """Poll ``done`` and NCCL's async error; abort and raise on an error or past the deadline."""
+        """Poll ``done`` and NCCL's async error; abort and raise on an error or a stall."""
         deadline, pause = time.monotonic() + self.stall_timeout, 1e-5
         while not done.done:
             try:

@@ -180,7 +180,7 @@ class HostStaging:
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any], *, reads: Sequence[int],
             writes: Sequence[int]) -> Any:
-        """Call ``fn`` on host copies of ``args``' arrays and copy ``writes`` back; return its value.
+        """Call ``fn`` on host copies of ``args``, copy ``writes`` back and return its result.
 
         Args:
             fn: a function of host (numpy) arrays.
@@ -230,7 +230,7 @@ class HostStaging:
         key = (role, like.dtype.str, pinned)
         buf = self._buffers.get(key)
         if buf is None or buf.size < like.size:
-            buf = _pinned_empty(like.size, like.dtype) if pinned else np.empty(like.size, like.dtype)
+            buf = (_pinned_empty if pinned else np.empty)(like.size, like.dtype)
             self._buffers[key] = buf
         return buf[: like.size].reshape(like.shape)
 

@@ -74,7 +74,7 @@ def test_unique_id_is_identical_on_every_rank(connector, cp):
     raw = bytes(uid) if isinstance(uid, bytes) else bytes(b & 0xFF for b in uid)  # CuPy 13: ints
     assert len(raw) == 128
     assert all(other == raw for other in connector.allgather(raw))
-    assert type(uid) is type(nccl.get_unique_id())  # passed through as NCCL made it
+    assert isinstance(uid, (bytes, tuple))  # passed through as CuPy made it (14: bytes; 13: tuple)
 
 
 def test_nccl_version_decodes(connector, cp):

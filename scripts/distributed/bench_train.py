@@ -1,0 +1,230 @@
+"""Training benchmark: DESIGN.md's reference MLP at ZeRO levels 0, 1, 2 (and PyTorch, --torch).
+
+    mpirun -np 2 python scripts/distributed/bench_train.py [--levels 0,1,2] [--steps 30]
+        [--warmup 5] [--overlap | --no-overlap] [--bucket-mb 25] [--hidden 1024 | --big | --xl]
+        [--torch]
+
+Workload: MLP 784 -> H -> H -> 10 with ReLU and softmax cross-entropy, synthetic data, Adam lr
+1e-3, fp32, GLOBAL batch 256 split evenly across the ranks; every run starts from the same
+weights. H is 1024 by default; --big makes it 3584 (15.7M parameters), --xl 4096 (20.0M), for
+the memory comparison. --torch adds PyTorch DDP (gloo) and DDP + ZeroRedundancyOptimizer(Adam)
+on the same workload in the same run; torch.distributed gets MPI's rank and size and a
+MASTER_PORT that rank 0 picks and broadcasts.
+
+Fairness: numpy's BLAS and torch both use ONE thread per rank: OMP_NUM_THREADS,
+OPENBLAS_NUM_THREADS and MKL_NUM_THREADS are set to 1 at the top of this file, before numpy is
+imported, and torch.set_num_threads(1).
+
+Method: every variant is built first; around its build and warmup steps the process's peak RSS
+is reset (Linux /proc/self/clear_refs) so "peak" is the RSS high-water mark above the RSS before
+the build, and "held" the RSS still added after warmup (max over ranks). Then the timed steps of
+all variants alternate in blocks so load drift hits them alike; step time is the max over ranks
+of each rank's median. Memory of variants sharing one process can still blur (the allocator
+reuses freed memory); for clean per-level numbers run one level per process, e.g. --levels 2.
+"""
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_var] = "1"  # must precede the numpy import: BLAS reads it when it loads
+
+import argparse  # noqa: E402 - the environment above must be set first
+import gc  # noqa: E402
+import resource  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from meta_dist import distributed as dist  # noqa: E402
+from meta_dist.config import load_config  # noqa: E402
+from meta_dist.nn.layers import Linear, ReLU  # noqa: E402
+from meta_dist.nn.model import Sequential  # noqa: E402
+from meta_dist.train import Trainer, synthetic_classification  # noqa: E402
+
+GLOBAL_BATCH, BATCHES, SEED = 256, 8, 0
+MIB = 2**20
+
+
+def build_mlp(hidden):
+    """Return the reference MLP on numpy, initialised from SEED (identical on every rank)."""
+    kw = {"rng": np.random.default_rng(SEED), "dtype": np.float32}
+    return Sequential(Linear(784, hidden, **kw), ReLU(), Linear(hidden, hidden, **kw), ReLU(),
+                      Linear(hidden, 10, **kw))
+
+
+def rss_mib(field):
+    """Return VmRSS or VmHWM (the peak) of this process in MiB, from /proc/self/status."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field)) / 1024
+
+
+def reset_peak():
+    """Make VmHWM restart from the current RSS (Linux >= 4.0), so each variant's peak is its own."""
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+
+
+def meta_variant(level, args):
+    """Return (step function, memory_report) for a meta_dist Trainer at ZeRO ``level``."""
+    config = load_config(
+        {"batch_size": GLOBAL_BATCH, "optimizer": "adam", "lr": 1e-3, "input_shape": [784],
+         "num_classes": 10, "dtype": "float32"},
+        {"zero_opt_level": level, "overlap_comm": args.overlap, "bucket_size_mb": args.bucket_mb,
+         "device": "cpu", "backend": "mpi", "seed": SEED})
+    trainer = Trainer(build_mlp(args.hidden), config, log=None)
+    return lambda x, y: float(trainer.train_step(x, y)), trainer.memory_report()
+
+
+def torch_variant(zero, args):
+    """Return (step function, None) for PyTorch DDP (gloo), with ZeroRedundancyOptimizer if zero."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    h = args.hidden
+    model = torch.nn.Sequential(torch.nn.Linear(784, h), torch.nn.ReLU(), torch.nn.Linear(h, h),
+                                torch.nn.ReLU(), torch.nn.Linear(h, 10))
+    with torch.no_grad():  # meta_dist stores W as (in, out), torch as (out, in)
+        start = build_mlp(h)
+        for mine, theirs in zip(model[::2], start.layers[::2], strict=True):
+            mine.weight.copy_(torch.from_numpy(theirs.params["weight"].T))
+            mine.bias.copy_(torch.from_numpy(theirs.params["bias"]))
+        del start
+    ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
+    if zero:
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
+    else:
+        opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(ddp(torch.from_numpy(x)), torch.from_numpy(y))
+        loss.backward()
+        opt.step()
+        return loss.item()  # a Python float, as the meta_dist step returns
+
+    return step, None
+
+
+def start_torch(world):
+    """Initialise torch.distributed (gloo) with MPI's rank and size and a port from rank 0."""
+    import torch
+    import torch.distributed
+
+    torch.set_num_threads(1)
+    port = None
+    if world.rank == 0:
+        with socket.socket() as sock:  # a free port now; gloo binds it right after
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(world.bcast(port)))
+    torch.distributed.init_process_group("gloo", rank=world.rank, world_size=world.size)
+
+
+def parse_args():
+    """Parse the command line."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--levels", default="0,1,2", help="ZeRO levels to run, e.g. 0,2 or 2")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per variant")
+    p.add_argument("--blocks", type=int, default=5, help="the timed steps alternate in blocks")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="meta_dist_config overlap_comm (reduce buckets during backward)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size (also DDP's cap)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--hidden", type=int, default=1024, help="width of the hidden layers")
+    size.add_argument("--big", dest="hidden", action="store_const", const=3584,
+                      help="hidden 3584: 15.7M parameters")
+    size.add_argument("--xl", dest="hidden", action="store_const", const=4096,
+                      help="hidden 4096: 20.0M parameters")
+    p.add_argument("--torch", action="store_true", help="also run PyTorch DDP and DDP + ZeRO")
+    args = p.parse_args()
+    args.levels = [int(level) for level in args.levels.split(",") if level]
+    return args
+
+
+def main():
+    args = parse_args()
+    dctx = dist.get_context()
+    world = MPI.COMM_WORLD.Dup()
+    rank, size = world.rank, world.size
+    local = GLOBAL_BATCH // size  # check_world in the Trainer rejects sizes that do not divide
+    x, y = synthetic_classification(BATCHES * GLOBAL_BATCH, (784,), 10, seed=SEED)
+    starts = [i * GLOBAL_BATCH + rank * local for i in range(BATCHES)]  # this rank's part
+    batches = [(x[s:s + local], y[s:s + local]) for s in starts]
+    if args.torch:
+        start_torch(world)
+    makers = {f"meta_dist ZeRO-{lv}" if lv else "meta_dist DP":
+              (lambda lv=lv: meta_variant(lv, args)) for lv in args.levels}
+    if args.torch:
+        makers["torch DDP (gloo)"] = lambda: torch_variant(False, args)
+        makers["torch DDP + ZeroRedundancyOpt"] = lambda: torch_variant(True, args)
+
+    runs = {}  # name -> dict(step, report, peak, held, times, done, loss)
+    for name, make in makers.items():
+        gc.collect()
+        reset_peak()
+        base = rss_mib("VmRSS")
+        step, report = make()
+        for i in range(args.warmup):
+            step(*batches[i % BATCHES])
+        runs[name] = {"step": step, "report": report, "times": [], "done": args.warmup,
+                      "peak": world.allreduce(rss_mib("VmHWM") - base, op=MPI.MAX),
+                      "held": world.allreduce(rss_mib("VmRSS") - base, op=MPI.MAX)}
+    per_block = -(-args.steps // args.blocks)
+    for block in range(args.blocks):
+        names = list(runs)[block % len(runs):] + list(runs)[:block % len(runs)]
+        for name in names:  # rotated: no variant always runs first after another's block
+            run = runs[name]
+            world.Barrier()
+            for _ in range(min(per_block, args.warmup + args.steps - run["done"])):
+                start = time.perf_counter()
+                run["loss"] = run["step"](*batches[run["done"] % BATCHES])
+                run["times"].append(time.perf_counter() - start)
+                run["done"] += 1
+    for run in runs.values():
+        run["ms"] = world.allreduce(float(np.median(run["times"])) * 1e3, op=MPI.MAX)
+        run["loss"] = world.allreduce(run["loss"]) / size  # global-batch loss: equal local batches
+    process_peak = world.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                                   op=MPI.MAX)
+
+    if rank == 0:
+        params = sum(p.size for layer in build_mlp(args.hidden).layers for p in layer.params.values())
+        print(f"# {size} ranks, MLP 784-{args.hidden}-{args.hidden}-10 ({params / 1e6:.2f}M params)"
+              f", Adam, fp32, global batch {GLOBAL_BATCH} ({local}/rank), overlap_comm="
+              f"{args.overlap}, bucket {args.bucket_mb:g} MiB, 1 thread/rank; {args.steps} steps "
+              f"after {args.warmup} warmup; step time = max over ranks of the median; memory "
+              "MiB per rank (max over ranks)")
+        print(f"{'variant':<31}{'step ms':>8}{'samples/s':>10}{'peak Δ':>8}{'held Δ':>8}"
+              f"{'params':>8}{'grads':>7}{'optim':>7}{'bufs':>6}{'loss':>8}")
+        for name, r in runs.items():
+            rep = r["report"]
+            model = ("".join(f"{rep[k] / MIB:>{w}.1f}" for k, w in
+                             (("params", 8), ("grads", 7), ("optimizer", 7), ("buffers", 6)))
+                     if rep else f"{'-':>8}{'-':>7}{'-':>7}{'-':>6}")
+            print(f"{name:<31}{r['ms']:>8.2f}{GLOBAL_BATCH / r['ms'] * 1e3:>10.0f}"
+                  f"{r['peak']:>8.1f}{r['held']:>8.1f}{model}{r['loss']:>8.4f}")
+        print(f"# process peak RSS (ru_maxrss, max over ranks): {process_peak:.0f} MiB; with "
+              "several variants in one process the Δ columns may blur: use --levels N for one")
+        ms = {name: r["ms"] for name, r in runs.items()}
+        dp, ddp = ms.get("meta_dist DP"), ms.get("torch DDP (gloo)")
+        parts = []
+        if dp and ddp:
+            parts.append(f"DP {GLOBAL_BATCH / dp * 1e3:.0f} samples/s = {ddp / dp:.2f}x torch DDP "
+                         f"({GLOBAL_BATCH / ddp * 1e3:.0f})")
+        for level in (1, 2):
+            if dp and f"meta_dist ZeRO-{level}" in ms:
+                parts.append(f"ZeRO-{level}/DP step time {ms[f'meta_dist ZeRO-{level}'] / dp:.3f}")
+        print("summary: " + ("; ".join(parts) or "(needs level 0, and --torch for the DDP ratio)"))
+    world.Free()
+    dist.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
