@@ -1,77 +1,35 @@
 """Communicator: the one interface for moving array data, shared by the MPI and NCCL backends.
 
-Imports numpy, mpi4py (for the host-side consistency check) and meta_dist.connector / xp.
-This module owns, once for every backend: the docstring of each collective, argument checks with
-identical messages, fusion of a list of arrays into one buffer, the cross-rank shape/dtype check,
-a stall timeout, and the asynchronous (``*_async``) variants. A backend implements only the
-``_allreduce``-style primitives on flat, contiguous 1-D buffers.
+Imports numpy and meta_dist.connector / xp / comm.consistency / comm.worker. This module owns,
+once for every backend: the docstring of each collective, argument checks with identical
+messages, and fusion of a list of arrays into one buffer; ``consistency`` compares the ranks'
+calls (and bounds the wait for them) and ``worker`` runs the ``*_async`` variants in order. A
+backend implements only the ``_allreduce``-style primitives on flat, contiguous 1-D buffers.
 """
 
 from __future__ import annotations
 
 import os
-import queue
-import threading
-import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
+from meta_dist.comm.consistency import ConsistencyCheck, shape_code
+from meta_dist.comm.worker import Handle, OrderedWorker
 from meta_dist.connector import MPIConnector
-from meta_dist.xp import array_module, is_cupy_array
+from meta_dist.xp import array_module
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "prod")
 SCATTER_OPS = ("sum", "avg")
 DTYPES = tuple(np.dtype(d) for d in ("float16", "float32", "float64", "int32", "int64", "uint8"))
 DEFAULT_STALL_TIMEOUT_S = 300.0
-_KINDS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "send", "recv")
 
 
 def _env_flag(name: str, default: bool) -> bool:
     value = os.environ.get(name)
     return default if value is None else value.strip().lower() not in ("0", "false", "no", "")
-
-
-def shape_code(shapes: Sequence[tuple[int, ...]]) -> int:
-    """Return a deterministic 62-bit code of a list of shapes (same on every rank and run)."""
-    code = 1469598103934665603
-    for shape in shapes:
-        for dim in (len(shape), *shape):
-            code = ((code ^ (dim + 0x9E37)) * 1099511628211) % (1 << 62)
-        code = (code * 31 + 7) % (1 << 62)
-    return code
-
-
-class Handle:
-    """A pending asynchronous collective; ``wait()`` returns its result (or raises its error)."""
-
-    def __init__(self, run: Callable[[], Any]) -> None:
-        self._run = run
-        self._event = threading.Event()
-        self._result: Any = None
-        self._error: BaseException | None = None
-
-    def _execute(self) -> None:
-        try:
-            self._result = self._run()
-        except BaseException as error:  # handed to the waiting thread, not lost in the worker
-            self._error = error
-        finally:
-            self._event.set()
-
-    def done(self) -> bool:
-        """Return True when the collective has finished (successfully or not)."""
-        return self._event.is_set()
-
-    def wait(self) -> Any:
-        """Block until the collective has finished and return its result."""
-        self._event.wait()
-        if self._error is not None:
-            raise self._error
-        return self._result
 
 
 class Communicator(ABC):
@@ -115,12 +73,10 @@ class Communicator(ABC):
         self.size = connector.size
         self.check = _env_flag("META_DIST_CHECK", True) if check is None else check
         self.stall_timeout = stall_timeout
-        self._check_comm: MPI.Comm | None = connector.comm.Dup()
+        self._check_comm = connector.comm.Dup()
+        self._consistency = ConsistencyCheck(self._check_comm, stall_timeout)
         self._fusion: dict[tuple[Any, np.dtype], Any] = {}
-        self._queue: queue.Queue[Handle | None] | None = None
-        self._worker: threading.Thread | None = None
-        self._pending = 0
-        self._lock = threading.Lock()
+        self._worker = OrderedWorker(on_start=self._worker_started)
         self.closed = False
 
     # ---------------------------------------------------------------- public collectives
@@ -247,9 +203,7 @@ class Communicator(ABC):
         """Finish pending asynchronous work and release buffers; later calls raise RuntimeError."""
         if self.closed:
             return
-        if self._worker is not None:
-            self._queue.put(None)
-            self._worker.join()
+        self._worker.close()
         self._fusion.clear()
         self._close_backend()
         self._check_comm.Free()
@@ -542,76 +496,21 @@ class Communicator(ABC):
             for o in outs:
                 o /= o.dtype.type(self.size)
 
-    # ---------------------------------------------------------------- the cross-rank check
-
     def _fingerprint(self, api: str, arrays: list[Any], op: str = "", root: int = -1) -> None:
         """Raise ValueError on every rank if the ranks called different collectives or shapes."""
-        if self.size == 1 or not self.check:
-            return
-        on_gpu = is_cupy_array(arrays[0])
-        mine = np.array([_KINDS.index(api), (REDUCE_OPS + ("",)).index(op), root,
-                         DTYPES.index(arrays[0].dtype), len(arrays),
-                         shape_code([a.shape for a in arrays]), on_gpu], np.int64)
-        both = np.concatenate([mine, -mine])
-        self._wait_for_peers(api, self._check_comm.Iallreduce(MPI.IN_PLACE, both, op=MPI.MAX))
-        if np.array_equal(both[: mine.size], -both[mine.size :]):
-            return
-        kind = "cupy " if on_gpu else ""
-        described = f"{api} of {', '.join(f'{kind}{a.dtype} {tuple(a.shape)}' for a in arrays)}"
-        everyone = self._check_comm.allgather(described)
-        listing = "; ".join(f"rank {r}: {d}" for r, d in enumerate(everyone))
-        raise ValueError(
-            f"{api}: the ranks passed different arrays or called different collectives: "
-            f"{listing}; every rank must call the same collective with the same shapes, dtype, "
-            "op and root"
-        )
-
-    def _wait_for_peers(self, api: str, request: MPI.Request) -> None:
-        """Wait for a request, raising RuntimeError if peers are missing past stall_timeout."""
-        if self.stall_timeout is None:
-            request.Wait()
-            return
-        spins = 0
-        deadline = time.monotonic() + self.stall_timeout
-        while not request.Test():
-            spins += 1
-            if spins > 200:  # spin briefly for latency, then yield the core to peers
-                time.sleep(0.0002 if spins < 20000 else 0.005)
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"{api}: rank {self.rank} waited {self.stall_timeout:.0f} s for the other "
-                        "ranks to reach this collective; some rank took another path (different "
-                        "control flow, an uneven last batch) or is stuck; the job is aborted"
-                    )
+        if self.size > 1 and self.check:
+            self._consistency.verify(api, arrays, DTYPES, (REDUCE_OPS + ("",)).index(op), root)
 
     # ---------------------------------------------------------------- running now or on the worker
 
     def _sync(self, run: Callable[[], Any]) -> Any:
-        with self._lock:
-            idle = self._pending == 0
-        if idle:  # nothing queued: run here, in order, without a thread hop
-            return run()
-        return self._submit(run).wait()
+        return self._worker.run_in_order(run)
 
     def _submit(self, run: Callable[[], Any]) -> Handle:
-        handle = Handle(run)
-        if self._worker is None:
-            self._queue = queue.Queue()
-            self._worker = threading.Thread(target=self._work, name="meta_dist-comm", daemon=True)
-            self._worker.start()
-        with self._lock:
-            self._pending += 1
-        self._queue.put(handle)
-        return handle
+        return self._worker.submit(run)
 
-    def _work(self) -> None:
-        while True:
-            handle = self._queue.get()
-            if handle is None:
-                return
-            handle._execute()
-            with self._lock:
-                self._pending -= 1
+    def _worker_started(self) -> None:
+        """Called first on the communication thread; backends set per-thread state here."""
 
     # ---------------------------------------------------------------- backend primitives
 

@@ -294,9 +294,8 @@ class NcclCommunicator(Communicator):
                     f"{self.device}, this rank's (local_rank % gpu_count()); allocate it under "
                     f"cupy.cuda.Device({self.device})")
 
-    def _work(self) -> None:
+    def _worker_started(self) -> None:
         self._cupy.cuda.Device(self.device).use()  # the async thread's own current device
-        super()._work()
 
     def _grouped(self, call: Callable[[], None]) -> None:
         self._nccl.groupStart()

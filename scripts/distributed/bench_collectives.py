@@ -61,6 +61,7 @@ def raw_nccl_call(op, raw, buf, rank, size):
     """Return a function making the plain cupy.cuda.nccl call on ``buf`` and waiting for it."""
     import cupy
     from cupy.cuda import nccl
+
     from meta_dist.comm.nccl_backend import NCCL_DTYPES
 
     stream = cupy.cuda.get_current_stream()
@@ -144,15 +145,15 @@ def parse_args():
     p.add_argument("--factor", type=int, default=4, help="size multiplier between rows")
     p.add_argument("--dtype", default="float32",
                    choices=("float16", "float32", "float64", "int32", "int64", "uint8"))
-    p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
+    p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of the default")
     p.add_argument("--backend", choices=("mpi", "nccl"), default="mpi")
     p.add_argument("--no-check", action="store_true",
                    help="communicator with check=False (no cross-rank shape check per call)")
     p.add_argument("--check-cost", action="store_true",
                    help="also time check=True and check=False side by side at --min-bytes")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls per variant and size")
-    p.add_argument("--blocks", type=int, default=6, help="timed blocks per variant and size")
-    p.add_argument("--block-ms", type=float, default=80.0, help="target length of one block")
+    p.add_argument("--blocks", type=int, default=5, help="timed blocks per variant and size")
+    p.add_argument("--block-ms", type=float, default=60.0, help="target length of one block")
     p.add_argument("--max-iters", type=int, default=400, help="most calls in one block")
     args = p.parse_args()
     args.ops = args.ops.split(",")

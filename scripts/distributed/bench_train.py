@@ -34,6 +34,7 @@ import resource  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
@@ -57,13 +58,13 @@ def build_mlp(hidden):
 
 def rss_mib(field):
     """Return VmRSS or VmHWM (the peak) of this process in MiB, from /proc/self/status."""
-    with open("/proc/self/status") as status:
+    with Path("/proc/self/status").open() as status:
         return next(int(line.split()[1]) for line in status if line.startswith(field)) / 1024
 
 
 def reset_peak():
     """Make VmHWM restart from the current RSS (Linux >= 4.0), so each variant's peak is its own."""
-    with open("/proc/self/clear_refs", "w") as refs:
+    with Path("/proc/self/clear_refs").open("w") as refs:
         refs.write("5")
 
 
@@ -150,7 +151,7 @@ def parse_args():
 
 def main():
     args = parse_args()
-    dctx = dist.get_context()
+    dist.get_context()  # meta_dist up before torch, so its communicators come first
     world = MPI.COMM_WORLD.Dup()
     rank, size = world.rank, world.size
     local = GLOBAL_BATCH // size  # check_world in the Trainer rejects sizes that do not divide
@@ -194,7 +195,7 @@ def main():
                                    op=MPI.MAX)
 
     if rank == 0:
-        params = sum(p.size for layer in build_mlp(args.hidden).layers for p in layer.params.values())
+        params = sum(build_mlp(args.hidden).layer_numels())
         print(f"# {size} ranks, MLP 784-{args.hidden}-{args.hidden}-10 ({params / 1e6:.2f}M params)"
               f", Adam, fp32, global batch {GLOBAL_BATCH} ({local}/rank), overlap_comm="
               f"{args.overlap}, bucket {args.bucket_mb:g} MiB, 1 thread/rank; {args.steps} steps "

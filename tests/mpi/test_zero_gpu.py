@@ -1,0 +1,59 @@
+"""ZeRO levels on CuPy arrays (NCCL, and MPI staged through the host) match the CPU result.
+
+Skipped collectively without a GPU per rank (see test_nccl.gpu). Tolerance as in test_zero for
+float64 (rtol 1e-9): cuBLAS sums in another order than numpy's BLAS, which is the same kind of
+difference as splitting the batch.
+"""
+
+import numpy as np
+import pytest
+from conftest import same_on_every_rank
+from mpi4py import MPI
+from test_nccl import collective_skip, cp, gpu  # noqa: F401  (fixtures)
+from test_zero import GLOBAL_BATCH, MODELS, STEPS, data, make_config
+
+from meta_dist import MPIConnector
+from meta_dist.distributed import DistContext
+from meta_dist.train import Trainer
+from meta_dist.xp import select_device
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["nccl", "mpi"])
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_gpu_training_matches_cpu(connector, gpu, backend, level):  # noqa: F811
+    cupy = gpu
+    select_device(connector.local_rank)
+    world = DistContext(MPIConnector(abort_on_exception=False), backend=backend)
+    alone = DistContext(MPIConnector(MPI.COMM_SELF, abort_on_exception=False), backend="mpi")
+    try:
+        x, y, loss_fn = data("classifier", "float64")
+        build = MODELS["classifier"][0]
+        # the same host-drawn initial values, moved to the device
+        model = build(np.random.default_rng(7), "float64")
+        for layer in model.layers:
+            for name in list(layer.params):
+                layer.params[name] = cupy.asarray(layer.params[name])
+                layer.grads[name] = cupy.zeros_like(layer.params[name])
+        on_gpu = Trainer(model, make_config(level, "adam", "float64"), context=world,
+                         loss_fn=loss_fn, log=None)
+        assert on_gpu.xp is cupy
+        assert on_gpu.comm.backend_name == backend
+        ref = Trainer(build(np.random.default_rng(7), "float64"), make_config(0, "adam",
+                      "float64"), context=alone, loss_fn=loss_fn, log=None)
+        b, r = GLOBAL_BATCH // world.size, world.rank
+        for step in range(STEPS):
+            ref.train_step(x[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH],
+                           y[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH])
+            mine = slice(step * GLOBAL_BATCH + r * b, step * GLOBAL_BATCH + (r + 1) * b)
+            on_gpu.train_step(cupy.asarray(x[mine]), cupy.asarray(y[mine]))
+            host = cupy.asnumpy(on_gpu.stage.flat.flat_params)
+            assert same_on_every_rank(connector, host)
+            for (name, got), want in zip(on_gpu.model.state().items(),
+                                         ref.model.state().values()):
+                np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=1e-9, atol=1e-12,
+                                           err_msg=f"{name} after step {step + 1}")
+        assert on_gpu.memory_report()["peak"] > 0
+    finally:
+        world.close()
+        alone.close()
