@@ -73,11 +73,17 @@ class Result:
 def run(n: int, args: list[str], *, timeout: float = 300, hostfile: str | None = None,
         env: dict[str, str] | None = None) -> Result:
     """Run ``python args...`` on n ranks; a job past ``timeout`` is killed and reported."""
+    # the launcher's own time limit too: if this test process dies, the job still ends
+    limit = str(int(timeout) + 30)
     command = [*launcher(), "-n", str(n)]
+    if flavour() == "openmpi":
+        command += ["--timeout", limit]
+    env = dict(env or mpi_env())
+    env.setdefault("MPIEXEC_TIMEOUT", limit)  # MPICH's Hydra
     if hostfile is not None:
         command += ["--hostfile" if flavour() == "openmpi" else "-f", hostfile]
     command += [sys.executable, *args]
-    proc = subprocess.Popen(command, cwd=ROOT, env=env or mpi_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=timeout)
