@@ -1,13 +1,17 @@
-"""The cross-rank consistency check run before every collective, and the stall timeout.
+"""The cross-rank consistency check run before every collective, and the stall watchdog.
 
 Imports numpy, mpi4py and meta_dist.xp. The ranks compare a fingerprint of (operation, op,
 root, dtype, shapes, array kind) with one small allreduce (max of x and of -x gives max and min
-at once); on a difference every rank raises the same ValueError listing each rank's arrays. The
-wait is bounded so that a rank which never arrives is reported instead of hanging the job.
+at once); on a difference every rank raises the same ValueError listing each rank's arrays. A
+watchdog thread ends the job when a collective waits past the stall timeout, so a rank that
+never arrives is reported instead of hanging it; the common path pays two dict writes for it.
 """
 
 from __future__ import annotations
 
+import faulthandler
+import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -33,14 +37,19 @@ def shape_code(shapes: Sequence[tuple[int, ...]]) -> int:
 class ConsistencyCheck:
     """Compare every rank's call before a collective runs.
 
+    A call's fingerprint (operation, op, root, dtype, shapes, array kind) is hashed once per
+    distinct call and cached, and the ranks allreduce (max) the pair (h, -h): the result says
+    max(h) and -min(h), which differ exactly when some rank's call differs. Only then is a
+    second, pickled exchange made to name every rank's arrays.
+
     Args:
         comm: a communicator of its own (a Dup), used only for the check.
-        stall_timeout: seconds to wait for the other ranks (None: forever).
     """
 
-    def __init__(self, comm: MPI.Comm, stall_timeout: float | None) -> None:
-        self.comm, self.stall_timeout = comm, stall_timeout
-        self.rank = comm.Get_rank()
+    def __init__(self, comm: MPI.Comm) -> None:
+        self.comm = comm
+        self._codes: dict[tuple, int] = {}
+        self._pair = np.empty(2, np.int64)
 
     def verify(self, api: str, arrays: list[Any], dtypes: Sequence[np.dtype],
                op_code: int, root: int) -> None:
@@ -48,14 +57,23 @@ class ConsistencyCheck:
 
         Collective: every rank calls it with its own arguments.
         """
-        on_gpu = is_cupy_array(arrays[0])
-        mine = np.array([KINDS.index(api), op_code, root, dtypes.index(arrays[0].dtype),
-                         len(arrays), shape_code([a.shape for a in arrays]), on_gpu], np.int64)
-        both = np.concatenate([mine, -mine])
-        self.wait(api, self.comm.Iallreduce(MPI.IN_PLACE, both, op=MPI.MAX))
-        if np.array_equal(both[: mine.size], -both[mine.size :]):
+        first = arrays[0]
+        key = (api, op_code, root, first.dtype.char, type(first),
+               tuple(a.shape for a in arrays))
+        code = self._codes.get(key)
+        if code is None:
+            if len(self._codes) > 4096:  # shapes that vary every call: keep the cache bounded
+                self._codes.clear()
+            code = shape_code([(KINDS.index(api), op_code, root, dtypes.index(first.dtype),
+                                int(is_cupy_array(first)))] + list(key[-1]))
+            self._codes[key] = code
+        pair = self._pair
+        pair[0], pair[1] = code, -code
+        self.comm.Allreduce(MPI.IN_PLACE, pair, op=MPI.MAX)
+        high, minus_low = pair.tolist()
+        if high == -minus_low:
             return
-        kind = "cupy " if on_gpu else ""
+        kind = "cupy " if is_cupy_array(first) else ""
         described = f"{api} of {', '.join(f'{kind}{a.dtype} {tuple(a.shape)}' for a in arrays)}"
         listing = "; ".join(f"rank {r}: {d}" for r, d in enumerate(self.comm.allgather(described)))
         raise ValueError(
@@ -64,20 +82,50 @@ class ConsistencyCheck:
             "op and root"
         )
 
-    def wait(self, api: str, request: MPI.Request) -> None:
-        """Wait for a request, raising RuntimeError if peers are missing past stall_timeout."""
-        if self.stall_timeout is None:
-            request.Wait()
-            return
-        spins = 0
-        deadline = time.monotonic() + self.stall_timeout
-        while not request.Test():
-            spins += 1
-            if spins > 200:  # spin briefly for latency, then yield the core to peers
-                time.sleep(0.0002 if spins < 20000 else 0.005)
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"{api}: rank {self.rank} waited {self.stall_timeout:.0f} s for the other "
-                        "ranks to reach this collective; some rank took another path (different "
-                        "control flow, an uneven last batch) or is stuck; the job is aborted"
-                    )
+
+class StallWatchdog:
+    """End the job when a collective has waited longer than ``timeout`` seconds.
+
+    Each collective is bracketed by ``enter``/``leave`` (any thread). A daemon thread looks a
+    few times per timeout; past it, it prints which collective waited, every thread's stack,
+    and calls MPI_Abort, which takes every rank down. A blocked MPI or NCCL call never runs
+    Python code, so the check cannot live in the waiting thread itself.
+
+    Args:
+        rank: this rank, for the message.
+        timeout: seconds a collective may wait for the other ranks.
+    """
+
+    def __init__(self, rank: int, timeout: float) -> None:
+        self.rank, self.timeout = rank, timeout
+        self._waiting: dict[int, tuple[str, float]] = {}
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch, name="meta_dist-watchdog", daemon=True).start()
+
+    def enter(self, api: str) -> None:
+        """Mark that this thread is now inside collective ``api``."""
+        self._waiting[threading.get_ident()] = (api, time.monotonic())
+
+    def leave(self) -> None:
+        """Mark that this thread's collective has returned."""
+        self._waiting.pop(threading.get_ident(), None)
+
+    def stop(self) -> None:
+        """Stop watching (the communicator is closing)."""
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.timeout / 4)):
+            now = time.monotonic()
+            for api, start in list(self._waiting.values()):
+                if now - start > self.timeout:
+                    self._abort(api, now - start)
+
+    def _abort(self, api: str, waited: float) -> None:
+        sys.stderr.write(
+            f"[rank {self.rank}] {api}: waited {self.timeout:.0f} s for the other ranks to reach "
+            f"this collective ({waited:.0f} s so far); some rank took another path (different "
+            "control flow, an uneven last batch) or is stuck; aborting the job. Stacks:\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        MPI.COMM_WORLD.Abort(1)

@@ -27,7 +27,11 @@ from meta_dist.connector import MPIConnector
 
 MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
 UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
-PAIRWISE_MIN_BYTES = 256 * 1024
+# Where the pairwise exchange starts to beat the library (2 ranks, Open MPI 5 wheel, measured
+# with scripts/distributed/bench_collectives.py): allreduce crosses over near 8 MiB, since the
+# library's allreduce is fast until its per-call scratch allocation dominates;
+# reduce_scatter_block already loses at 1 MiB.
+PAIRWISE_MIN_BYTES = {"allreduce": 8 * 2**20, "reduce_scatter": 512 * 1024}
 # Open MPI 5.0's MPI_SUM on MPI_UNSIGNED_CHAR saturates at 255 (seen with the PyPI wheel) where
 # numpy and C wrap modulo 256; these dtypes are always reduced by numpy in the pairwise path.
 NUMPY_REDUCED_DTYPES = (np.dtype(np.uint8),)
@@ -43,8 +47,9 @@ class MpiCommunicator(Communicator):
 
     Args:
         connector: the MPI world.
-        pairwise_min_bytes: reductions of at least this many bytes use the pairwise exchange
-            on reused buffers; smaller ones call the library directly.
+        pairwise_min_bytes: per operation ("allreduce", "reduce_scatter"), the message size
+            from which the pairwise exchange on reused buffers is used; smaller ones call the
+            library directly.
         segment_bytes: size of one pairwise step's message (the scratch buffer's size).
         **kwargs: ``check`` and ``stall_timeout``, see ``Communicator``.
     """
@@ -55,14 +60,14 @@ class MpiCommunicator(Communicator):
         self,
         connector: MPIConnector,
         *,
-        pairwise_min_bytes: int = PAIRWISE_MIN_BYTES,
+        pairwise_min_bytes: dict[str, int] | None = None,
         segment_bytes: int = SEGMENT_BYTES,
         **kwargs: Any,
     ) -> None:
         super().__init__(connector, **kwargs)
         self._comm: MPI.Comm = connector.comm.Dup()
         self.staging = HostStaging(self._comm)  # CuPy arrays: CUDA-aware MPI or host copies
-        self.pairwise_min_bytes = pairwise_min_bytes
+        self.pairwise_min_bytes = {**PAIRWISE_MIN_BYTES, **(pairwise_min_bytes or {})}
         self.segment_bytes = segment_bytes
         self._scratch: dict[np.dtype, np.ndarray] = {}
 
@@ -74,7 +79,7 @@ class MpiCommunicator(Communicator):
             if recv is not send:
                 recv[...] = send
             return
-        if self._library_reduces(send):
+        if self._library_reduces(send, "allreduce"):
             self._comm.Allreduce(MPI.IN_PLACE if recv is send else send, recv, op=MPI_OPS[op])
             return
         bounds = _chunk_bounds(send.size, self.size)
@@ -89,7 +94,7 @@ class MpiCommunicator(Communicator):
             if recv is not send:
                 recv[...] = send
             return
-        if self._library_reduces(send):
+        if self._library_reduces(send, "reduce_scatter"):
             if _ptr(recv) == _ptr(send) + self.rank * recv.nbytes:
                 # MPI_IN_PLACE would overwrite rows 0..m of send; go through scratch instead
                 scratch = self._scratch_buffer(recv.dtype, recv.size)[: recv.size]
@@ -151,8 +156,9 @@ class MpiCommunicator(Communicator):
 
     # ---------------------------------------------------------------- the pairwise reduction
 
-    def _library_reduces(self, send: np.ndarray) -> bool:
-        return send.nbytes < self.pairwise_min_bytes and send.dtype not in NUMPY_REDUCED_DTYPES
+    def _library_reduces(self, send: np.ndarray, api: str) -> bool:
+        return (send.nbytes < self.pairwise_min_bytes[api]
+                and send.dtype not in NUMPY_REDUCED_DTYPES)
 
     def _pairwise_reduce(self, send: np.ndarray, mine: np.ndarray, bounds: list[int],
                          op: str) -> None:

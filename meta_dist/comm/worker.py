@@ -68,13 +68,9 @@ class OrderedWorker:
         self._queue.put(handle)
         return handle
 
-    def run_in_order(self, run: Callable[[], Any]) -> Any:
-        """Run ``run`` now if nothing is queued (no thread hop), else after the queued work."""
-        with self._lock:
-            idle = self._pending == 0
-        if idle:
-            return run()
-        return self.submit(run).wait()
+    def idle(self) -> bool:
+        """Return True when nothing is queued or running (a blocking call may run at once)."""
+        return self._pending == 0  # one int read: atomic under the GIL
 
     def close(self) -> None:
         """Finish the queued work and stop the thread."""

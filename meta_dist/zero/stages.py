@@ -162,7 +162,8 @@ class ZeroStage2(ZeroStage1):
             self._shard_start[bucket.index] = offset
             offset += bucket.shard_size
         largest = max(b.padded_size for b in buckets)
-        self._staging = [xp.zeros(largest, dtype) for _ in range(2 if self.overlap else 1)]
+        count = 2 if self.overlap and len(buckets) > 1 else 1  # a second one only helps overlap
+        self._staging = [xp.zeros(largest, dtype) for _ in range(count)]
         self._staging_busy: list[Handle | None] = [None] * len(self._staging)
         return xp.zeros(offset, dtype)  # this rank's grad shard of every bucket, end to end
 

@@ -1,8 +1,8 @@
 """Training benchmark: DESIGN.md's reference MLP at ZeRO levels 0, 1, 2 (and PyTorch, --torch).
 
-    mpirun -np 2 python scripts/distributed/bench_train.py [--levels 0,1,2] [--steps 30]
-        [--warmup 5] [--overlap | --no-overlap] [--bucket-mb 25] [--hidden 1024 | --big | --xl]
-        [--torch]
+    mpirun -np 2 [--bind-to core] python scripts/distributed/bench_train.py [--levels 0,1,2]
+        [--steps 30] [--warmup 5] [--blocks 5] [--overlap | --no-overlap] [--bucket-mb 25]
+        [--hidden 1024 | --big | --xl] [--torch]
 
 Workload: MLP 784 -> H -> H -> 10 with ReLU and softmax cross-entropy, synthetic data, Adam lr
 1e-3, fp32, GLOBAL batch 256 split evenly across the ranks; every run starts from the same
@@ -20,7 +20,11 @@ is reset (Linux /proc/self/clear_refs) so "peak" is the RSS high-water mark abov
 the build, and "held" the RSS still added after warmup (max over ranks). Then the timed steps of
 all variants alternate in blocks so load drift hits them alike; step time is the max over ranks
 of each rank's median. Memory of variants sharing one process can still blur (the allocator
-reuses freed memory); for clean per-level numbers run one level per process, e.g. --levels 2.
+reuses freed memory); for clean per-level numbers run one level per process, e.g. --levels 2
+(--levels '' --torch runs PyTorch alone).
+
+On a busy machine pass ``--bind-to core`` (Open MPI): unbound, the scheduler can stack
+both ranks on one core, and then every exchange waits a whole time slice (6-24 ms).
 """
 
 import os

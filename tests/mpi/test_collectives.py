@@ -12,9 +12,20 @@ import numpy as np
 import pytest
 from conftest import same_on_every_rank
 
+from meta_dist import make_communicator
+
 DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8"]
 OPS = ["sum", "avg", "max", "min", "prod"]
-LENGTHS = [1, 7, 1001, 70001]  # 70001 float32/float64 elements take the pairwise path
+LENGTHS = [1, 7, 1001, 70001]
+
+
+@pytest.fixture(params=["library", "pairwise"])
+def reducer(request, connector):
+    """The MPI communicator as shipped, and one that takes the pairwise path at every size."""
+    force = {"allreduce": 1, "reduce_scatter": 1} if request.param == "pairwise" else None
+    communicator = make_communicator("mpi", connector, pairwise_min_bytes=force)
+    yield communicator
+    communicator.close()
 
 
 def rank_input(seed, rank, shape, dtype, op="sum"):
@@ -56,7 +67,8 @@ def valid(op, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", OPS)
-def test_allreduce(comm, connector, dtype, op):
+def test_allreduce(reducer, connector, dtype, op):
+    comm = reducer
     if not valid(op, dtype):
         pytest.skip("avg needs a floating dtype (tested in test_errors)")
     for n in LENGTHS:
@@ -73,7 +85,8 @@ def test_allreduce(comm, connector, dtype, op):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", ["sum", "avg"])
-def test_reduce_scatter(comm, connector, dtype, op):
+def test_reduce_scatter(reducer, connector, dtype, op):
+    comm = reducer
     if not valid(op, dtype):
         pytest.skip("avg needs a floating dtype")
     for m in (1, 5, 40001):
