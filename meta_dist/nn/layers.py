@@ -41,6 +41,9 @@ class Layer:
         self.params: dict[str, object] = {}
         self.grads: dict[str, object] = {}
         self.training = True
+        # False for a model's first layer (Sequential sets it): nobody reads the gradient with
+        # respect to the data, and for Linear/Conv2d it costs a matmul as big as dW.
+        self.input_grad = True
 
     def forward(self, x):
         """Return the layer's output for ``x`` and keep what ``backward`` needs."""
@@ -186,12 +189,17 @@ class Linear(Layer):
         return out
 
     def backward(self, dout):
-        """Write dW = x.T @ dout and db = dout.sum(0) in place; return dout @ W.T."""
+        """Write dW = x.T @ dout and db = dout.sum(0) in place; return dout @ W.T.
+
+        Returns None instead when ``input_grad`` is False (a model's first layer).
+        """
         x2 = self.x.reshape(-1, self.in_features)
         d2 = dout.reshape(-1, self.out_features)
         _matmul_into(x2.T, d2, self.grads["weight"])
         if "bias" in self.grads:
             d2.sum(axis=0, out=self.grads["bias"])
+        if not self.input_grad:
+            return None
         return dout @ self.params["weight"].T
 
 
@@ -276,6 +284,8 @@ class Conv2d(Layer):
             grad_w[...] = per_sample.sum(axis=0).reshape(grad_w.shape)
         if "bias" in self.grads:
             d3.sum(axis=(0, 2), out=self.grads["bias"])
+        if not self.input_grad:
+            return None
         dcols = xp.matmul(weight.reshape(self.out_channels, -1).T, d3)
         dwin = dcols.reshape(n, self.in_channels, *self.kernel_size, oh, ow)
         dx = _scatter_windows(dwin, self.padded_hw, self.stride)

@@ -23,6 +23,8 @@ class Sequential:
 
     def __init__(self, *layers: Layer) -> None:
         self.layers = list(layers)
+        for i, layer in enumerate(self.layers):
+            layer.input_grad = i > 0  # the data needs no gradient
         self.before_backward: LayerHook | None = None
         self.after_backward: LayerHook | None = None
 
@@ -35,9 +37,13 @@ class Sequential:
     __call__ = forward
 
     def backward(self, dout: Any) -> Any:
-        """Backpropagate ``dout`` through every layer, writing each layer's grads; return dx.
+        """Backpropagate ``dout`` through every layer, writing each layer's grads.
 
         ``before_backward(i)`` and ``after_backward(i)``, when set, run around layer i.
+
+        Returns:
+            The gradient with respect to the input when the first layer computes one; None for
+            Linear and Conv2d first layers, which skip it (``Layer.input_grad``).
         """
         for i in range(len(self.layers) - 1, -1, -1):
             if self.before_backward is not None:
