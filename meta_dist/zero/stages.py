@@ -143,8 +143,9 @@ class ZeroStage2(ZeroStage1):
 
     The full-size gradient never exists: a bucket's grads land in a staging buffer, are
     reduce-scattered (averaged) into this rank's grad shard, and the buffer is reused. With
-    overlap two staging buffers alternate, each half the bucket size, so staging stays one
-    bucket. Memory: grads ≈ 1/N of level 0's plus the staging; optimizer state ≈ 1/N.
+    overlap two staging buffers alternate (buckets are planned at half the configured size),
+    so staging stays about one bucket; a layer larger than that is a bucket of its own.
+    Memory: grads ≈ 1/N of level 0's plus the staging; optimizer state ≈ 1/N.
     """
 
     level = 2
@@ -161,9 +162,10 @@ class ZeroStage2(ZeroStage1):
         for bucket in buckets:
             self._shard_start[bucket.index] = offset
             offset += bucket.shard_size
-        largest = max(b.padded_size for b in buckets)
         count = 2 if self.overlap and len(buckets) > 1 else 1  # a second one only helps overlap
-        self._staging = [xp.zeros(largest, dtype) for _ in range(count)]
+        # buckets alternate between the buffers; each is as large as the largest it receives
+        sizes = [max(b.padded_size for b in buckets[k::count]) for k in range(count)]
+        self._staging = [xp.zeros(size, dtype) for size in sizes]
         self._staging_busy: list[Handle | None] = [None] * len(self._staging)
         return xp.zeros(offset, dtype)  # this rank's grad shard of every bucket, end to end
 

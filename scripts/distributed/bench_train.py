@@ -53,11 +53,13 @@ GLOBAL_BATCH, BATCHES, SEED = 256, 8, 0
 MIB = 2**20
 
 
-def build_mlp(hidden):
+def build_mlp(hidden, depth=2):
     """Return the reference MLP on numpy, initialised from SEED (identical on every rank)."""
     kw = {"rng": np.random.default_rng(SEED), "dtype": np.float32}
-    return Sequential(Linear(784, hidden, **kw), ReLU(), Linear(hidden, hidden, **kw), ReLU(),
-                      Linear(hidden, 10, **kw))
+    layers = [Linear(784, hidden, **kw), ReLU()]
+    for _ in range(depth - 1):
+        layers += [Linear(hidden, hidden, **kw), ReLU()]
+    return Sequential(*layers, Linear(hidden, 10, **kw))
 
 
 def rss_mib(field):
@@ -79,7 +81,7 @@ def meta_variant(level, args):
          "num_classes": 10, "dtype": "float32"},
         {"zero_opt_level": level, "overlap_comm": args.overlap, "bucket_size_mb": args.bucket_mb,
          "device": "cpu", "backend": "mpi", "seed": SEED})
-    trainer = Trainer(build_mlp(args.hidden), config, log=None)
+    trainer = Trainer(build_mlp(args.hidden, args.depth), config, log=None)
     return lambda x, y: float(trainer.train_step(x, y)), trainer.memory_report()
 
 
@@ -91,10 +93,12 @@ def torch_variant(zero, args):
     from torch.nn.parallel import DistributedDataParallel
 
     h = args.hidden
-    model = torch.nn.Sequential(torch.nn.Linear(784, h), torch.nn.ReLU(), torch.nn.Linear(h, h),
-                                torch.nn.ReLU(), torch.nn.Linear(h, 10))
+    layers = [torch.nn.Linear(784, h), torch.nn.ReLU()]
+    for _ in range(args.depth - 1):
+        layers += [torch.nn.Linear(h, h), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(h, 10))
     with torch.no_grad():  # meta_dist stores W as (in, out), torch as (out, in)
-        start = build_mlp(h)
+        start = build_mlp(h, args.depth)
         for mine, theirs in zip(model[::2], start.layers[::2], strict=True):
             mine.weight.copy_(torch.from_numpy(theirs.params["weight"].T))
             mine.bias.copy_(torch.from_numpy(theirs.params["bias"]))
@@ -146,7 +150,10 @@ def parse_args():
     size.add_argument("--big", dest="hidden", action="store_const", const=3584,
                       help="hidden 3584: 15.7M parameters")
     size.add_argument("--xl", dest="hidden", action="store_const", const=4096,
-                      help="hidden 4096: 20.0M parameters")
+                      help="hidden 4096: 20.0M parameters, 84%% of them in one layer")
+    p.add_argument("--depth", type=int, default=2,
+                   help="hidden layers (784-H-...-H-10); --hidden 2048 --depth 6 is 22.6M "
+                        "parameters in layers of equal size")
     p.add_argument("--torch", action="store_true", help="also run PyTorch DDP and DDP + ZeRO")
     args = p.parse_args()
     args.levels = [int(level) for level in args.levels.split(",") if level]
@@ -199,8 +206,9 @@ def main():
                                    op=MPI.MAX)
 
     if rank == 0:
-        params = sum(build_mlp(args.hidden).layer_numels())
-        print(f"# {size} ranks, MLP 784-{args.hidden}-{args.hidden}-10 ({params / 1e6:.2f}M params)"
+        params = sum(build_mlp(args.hidden, args.depth).layer_numels())
+        shape = "-".join(["784"] + [str(args.hidden)] * args.depth + ["10"])
+        print(f"# {size} ranks, MLP {shape} ({params / 1e6:.2f}M params)"
               f", Adam, fp32, global batch {GLOBAL_BATCH} ({local}/rank), overlap_comm="
               f"{args.overlap}, bucket {args.bucket_mb:g} MiB, 1 thread/rank; {args.steps} steps "
               f"after {args.warmup} warmup; step time = max over ranks of the median; memory "
