@@ -476,7 +476,7 @@ def _coerce(value: Any, hint: Any) -> Any:
         kinds = [args[0]] * len(value) if args[-1] is Ellipsis else list(args)
         if len(kinds) != len(value):
             return _BAD
-        items = tuple(_coerce(v, k) for v, k in zip(value, kinds))
+        items = tuple(_coerce(v, k) for v, k in zip(value, kinds, strict=True))
         return _BAD if any(item is _BAD for item in items) else items
     if isinstance(value, bool) and hint is not bool:  # bool is an int subclass: reject it
         return _BAD

@@ -215,7 +215,7 @@ class Communicator(ABC):
         self._check_comm = None
         self.closed = True
 
-    # ---------------------------------------------------------------- plans (validate now, run later)
+    # ---------------------------------------------------------- plans (validate now, run later)
 
     def _allreduce_plan(self, send: Any, op: str, out: Any) -> Callable[[], Any]:
         sends, is_list = self._inputs("allreduce", send)
@@ -433,7 +433,7 @@ class Communicator(ABC):
         xp = array_module(items[0])
         return [a if a.flags.c_contiguous else xp.ascontiguousarray(a) for a in items], is_list
 
-    def _check_arrays(self, api: str, arrays: list[Any]) -> None:
+    def _check_arrays(self, api: str, arrays: list[Any]) -> None:  # noqa: B027 (optional hook)
         """Let a backend refuse arrays it cannot move (e.g. host arrays on NCCL)."""
 
     def _outputs(self, api: str, out: Any, shapes: list[tuple[int, ...]], like: list[Any],
@@ -445,7 +445,7 @@ class Communicator(ABC):
             return [out]  # in place: already checked as an input
         if (is_list and isinstance(out, (list, tuple)) and len(out) == len(like)
                 and all(o is a and getattr(o.flags, "writeable", True)
-                        for o, a in zip(out, like))):
+                        for o, a in zip(out, like, strict=True))):
             return list(out)  # a list in place: its arrays were checked as inputs
         outs = list(out) if isinstance(out, (list, tuple)) else [out]
         if isinstance(out, (list, tuple)) != is_list or len(outs) != len(shapes):
@@ -567,14 +567,14 @@ class Communicator(ABC):
 
         return self._worker.submit(watched)
 
-    def _worker_started(self) -> None:
+    def _worker_started(self) -> None:  # noqa: B027 (optional hook)
         """Called first on the communication thread; backends set per-thread state here."""
 
     # ---------------------------------------------------------------- backend primitives
 
     @abstractmethod
     def _allreduce(self, send: Any, recv: Any, op: str) -> None:
-        """Reduce flat ``send`` into flat ``recv`` (same object means in place); avg is done here as sum."""
+        """Reduce flat ``send`` into flat ``recv`` (the same object: in place); "avg" as a sum."""
 
     @abstractmethod
     def _reduce_scatter(self, send: Any, recv: Any, op: str) -> None:
@@ -604,7 +604,7 @@ class Communicator(ABC):
     def _barrier(self) -> None:
         """Block until every rank arrives."""
 
-    def _close_backend(self) -> None:
+    def _close_backend(self) -> None:  # noqa: B027 (optional hook)
         """Release backend resources (called once by close())."""
 
 

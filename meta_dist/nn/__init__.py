@@ -1,0 +1,1 @@
+"""Layers, losses and the Sequential container; they know nothing of ranks."""

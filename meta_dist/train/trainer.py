@@ -59,7 +59,8 @@ class Trainer:
         log: where rank 0 writes progress (None: silent).
     """
 
-    def __init__(self, model: Sequential, config: Config, *, context: dist.DistContext | None = None,
+    def __init__(self, model: Sequential, config: Config, *,
+                 context: dist.DistContext | None = None,
                  loss_fn: LossFn = softmax_cross_entropy, log: Any = sys.stdout) -> None:
         self.context = context or dist.get_context()
         check_world(config, self.context.size)

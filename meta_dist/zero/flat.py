@@ -48,8 +48,9 @@ class FlatModel:
         return sum(b.numel for b in self.buckets)
 
     def bind_grads(self, buffer: Any, bucket: Bucket, base: int) -> None:
-        """Point the grads of the bucket's layers at ``buffer``, whose element ``base`` is the
-        bucket's first; the bucket's padding in ``buffer`` is zeroed (padding never has grads).
+        """Point the grads of the bucket's layers at ``buffer``, from element ``base`` on.
+
+        The bucket's padding in ``buffer`` is zeroed (padding never has gradients).
         """
         for i in range(bucket.first_layer, bucket.last_layer + 1):
             layer = self.model.layers[i]

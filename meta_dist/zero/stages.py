@@ -128,6 +128,7 @@ class ZeroStage1(ZeroStage0):
     level = 1
 
     def owned_slices(self) -> list[slice]:
+        """This rank's shard of every bucket."""
         return [bucket.shard(self.rank) for bucket in self.flat.buckets]
 
     def _after_update(self) -> None:
@@ -202,6 +203,7 @@ class ZeroStage2(ZeroStage1):
         return None
 
     def step(self) -> None:
+        """Wait for the last buckets' reduce-scatter, update my shard, gather the params."""
         for which, handle in enumerate(self._staging_busy):
             if handle is not None:
                 handle.wait()
@@ -211,6 +213,7 @@ class ZeroStage2(ZeroStage1):
         self._after_update()
 
     def memory_report(self) -> dict[str, int]:
+        """See ``ZeroStage.memory_report``; ``buffers`` are the staging buffers."""
         report = super().memory_report()
         report["buffers"] = int(sum(s.nbytes for s in self._staging))
         return report

@@ -1,6 +1,6 @@
 """Train a small CNN data-parallel on fake data, at the ZeRO level the config selects.
 
-    mpirun -np 4 python3 scripts/distributed/dist_example.py [--config configs/zero2.yaml] [KEY=VALUE ...]
+    mpirun -np 4 python3 scripts/distributed/dist_example.py [--config FILE] [KEY=VALUE ...]
 
 The dicts below are this script's defaults; a YAML file (--config) and KEY=VALUE words override
 them (e.g. ``zero_opt_level=1 optimizer=adam lr=0.001``). Rank 0 prints the training and
@@ -54,8 +54,9 @@ def main(argv):
         return 2
     dctx = dist.get_context()
     if dctx.rank == dctx.root_rank:
-        print(f"{dctx.size} rank(s) on {len(set(dctx.connector.allgather(MPI.Get_processor_name())))}"
-              f" node(s); MPI: {MPI.Get_library_version().splitlines()[0]}")
+        nodes = len(set(dctx.connector.allgather(MPI.Get_processor_name())))
+        print(f"{dctx.size} rank(s) on {nodes} node(s); "
+              f"MPI: {MPI.Get_library_version().splitlines()[0]}")
         print(format_config(config), flush=True)
     else:
         dctx.connector.allgather(MPI.Get_processor_name())

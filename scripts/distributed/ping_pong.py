@@ -1,4 +1,4 @@
-"""Ping-pong (the ARK tutorial's test): rank 0 sends a float16 tensor to rank 1, which sends it back.
+"""Ping-pong (the ARK tutorial's test): rank 0 sends float16 data to rank 1, which sends it back.
 
     mpirun -np 2 python3 scripts/distributed/ping_pong.py [--numel 2048] [--device cpu|cuda]
 
@@ -28,8 +28,9 @@ def main() -> int:
         return 2
     xp = np
     if args.device == "cuda":
-        from meta_dist.xp import select_device
         import cupy as xp
+
+        from meta_dist.xp import select_device
         select_device(dctx.local_rank)
 
     sent = xp.asarray(np.random.default_rng(0).standard_normal(args.numel).astype(np.float16))

@@ -160,7 +160,7 @@ def test_fused_list_equals_one_call_per_array(comm, collective):
         assert all(x is None for x in one_by_one)
         return
     assert isinstance(fused, list) and len(fused) == len(arrays)
-    for f, o in zip(fused, one_by_one):
+    for f, o in zip(fused, one_by_one, strict=True):
         np.testing.assert_array_equal(f, o)
 
 
@@ -168,7 +168,7 @@ def test_fused_list_in_place(comm):
     arrays = [np.full(n, comm.rank + 1.0) for n in (3, 1, 4)]
     result = comm.allreduce(arrays, out=arrays)
     total = comm.size * (comm.size + 1) / 2
-    assert all(r is a for r, a in zip(result, arrays))
+    assert all(r is a for r, a in zip(result, arrays, strict=True))
     assert all(np.all(a == total) for a in arrays)
 
 

@@ -210,10 +210,11 @@ def test_fused_lists(ncomm, gpu, collective):
     if fused is None:
         assert all(x is None for x in one_by_one)
         return
-    for f, o in zip(fused, one_by_one):
+    for f, o in zip(fused, one_by_one, strict=True):
         np.testing.assert_array_equal(f.get(), o.get())
     in_place = [gpu.full(n, ncomm.rank + 1.0) for n in (3, 1, 4)]
-    assert all(r is a for r, a in zip(ncomm.allreduce(in_place, out=in_place), in_place))
+    result = ncomm.allreduce(in_place, out=in_place)
+    assert all(r is a for r, a in zip(result, in_place, strict=True))
     assert all(bool((a == ncomm.size * (ncomm.size + 1) / 2).all()) for a in in_place)
 
 

@@ -142,7 +142,7 @@ def test_fused_lists(scomm):
     arrays = [rank_input(i, scomm.rank, (scomm.size * (i + 1),), "float64") for i in range(3)]
     total = [sum(rank_input(i, r, a.shape, "float64") for r in range(scomm.size))
              for i, a in enumerate(arrays)]
-    for got, want in zip(scomm.allreduce(arrays), total):
+    for got, want in zip(scomm.allreduce(arrays), total, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-12)
     gathered = scomm.allgather(arrays)
     for i, g in enumerate(gathered):

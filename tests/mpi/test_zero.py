@@ -89,7 +89,8 @@ def run_parity(contexts, level, optimizer, model_name, dtype, rtol, atol, **conf
         mine = slice(step * GLOBAL_BATCH + r * b, step * GLOBAL_BATCH + (r + 1) * b)
         dist.train_step(x[mine], y[mine])
         assert same_on_every_rank(world.connector, dist.stage.flat.flat_params), f"step {step}"
-        for (name, got), want in zip(dist.model.state().items(), ref.model.state().values()):
+        for (name, got), want in zip(dist.model.state().items(), ref.model.state().values(),
+                                     strict=True):
             np.testing.assert_allclose(got, want, rtol=rtol, atol=atol,
                                        err_msg=f"{name} after step {step + 1}")
     return dist

@@ -50,7 +50,7 @@ def test_gpu_training_matches_cpu(connector, gpu, backend, level):  # noqa: F811
             host = cupy.asnumpy(on_gpu.stage.flat.flat_params)
             assert same_on_every_rank(connector, host)
             for (name, got), want in zip(on_gpu.model.state().items(),
-                                         ref.model.state().values()):
+                                         ref.model.state().values(), strict=True):
                 np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=1e-9, atol=1e-12,
                                            err_msg=f"{name} after step {step + 1}")
         assert on_gpu.memory_report()["peak"] > 0

@@ -27,14 +27,14 @@ def test_buckets_tile_the_buffer_and_shards_tile_each_bucket(world, bucket):
     assert buckets[0].start == 0 and buckets[0].first_layer == 0
     assert buckets[-1].last_layer == len(numels) - 1
     assert sum(b.numel for b in buckets) == sum(numels)
-    for a, b in zip(buckets, buckets[1:]):
+    for a, b in zip(buckets, buckets[1:], strict=False):
         assert a.stop == b.start and a.last_layer + 1 == b.first_layer
     for b in buckets:
         assert b.padded_size % world == 0 and b.padded_size >= b.numel
         shards = [b.shard(r) for r in range(world)]
         assert shards[0].start == b.start and shards[-1].stop == b.stop
         assert all(s.stop - s.start == b.shard_size for s in shards)
-        assert all(x.stop == y.start for x, y in zip(shards, shards[1:]))
+        assert all(x.stop == y.start for x, y in zip(shards, shards[1:], strict=False))
 
 
 def test_buckets_fill_from_the_last_layer():
