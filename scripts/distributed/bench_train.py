@@ -47,15 +47,15 @@ from meta_dist import distributed as dist  # noqa: E402
 from meta_dist.config import load_config  # noqa: E402
 from meta_dist.nn.layers import Linear, ReLU  # noqa: E402
 from meta_dist.nn.model import Sequential  # noqa: E402
-from meta_dist.train import Trainer, synthetic_classification  # noqa: E402
+from meta_dist.train import Trainer, array_module_for, synthetic_classification  # noqa: E402
 
 GLOBAL_BATCH, BATCHES, SEED = 256, 8, 0
 MIB = 2**20
 
 
-def build_mlp(hidden, depth=2):
-    """Return the reference MLP on numpy, initialised from SEED (identical on every rank)."""
-    kw = {"rng": np.random.default_rng(SEED), "dtype": np.float32}
+def build_mlp(hidden, depth=2, xp=np):
+    """Return the reference MLP on ``xp``, initialised from SEED (identical on every rank)."""
+    kw = {"rng": np.random.default_rng(SEED), "dtype": np.float32, "xp": xp}
     layers = [Linear(784, hidden, **kw), ReLU()]
     for _ in range(depth - 1):
         layers += [Linear(hidden, hidden, **kw), ReLU()]
@@ -80,9 +80,13 @@ def meta_variant(level, args):
         {"batch_size": GLOBAL_BATCH, "optimizer": "adam", "lr": 1e-3, "input_shape": [784],
          "num_classes": 10, "dtype": "float32"},
         {"zero_opt_level": level, "overlap_comm": args.overlap, "bucket_size_mb": args.bucket_mb,
-         "device": "cpu", "backend": "mpi", "seed": SEED})
-    trainer = Trainer(build_mlp(args.hidden, args.depth), config, log=None)
-    return lambda x, y: float(trainer.train_step(x, y)), trainer.memory_report()
+         "device": args.device, "backend": "mpi" if args.device == "cpu" else "auto",
+         "seed": SEED})
+    xp = array_module_for(config)  # cupy on this rank's GPU for --device cuda
+    trainer = Trainer(build_mlp(args.hidden, args.depth, xp), config, log=None)
+    # the batch is copied to the device inside the step, as torch's is; float() waits for it
+    return (lambda x, y: float(trainer.train_step(xp.asarray(x), xp.asarray(y))),
+            trainer.memory_report())
 
 
 def torch_variant(zero, args):
@@ -103,7 +107,10 @@ def torch_variant(zero, args):
             mine.weight.copy_(torch.from_numpy(theirs.params["weight"].T))
             mine.bias.copy_(torch.from_numpy(theirs.params["bias"]))
         del start
-    ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else None
+    model.to(device or "cpu")
+    ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb,
+                                  device_ids=[device] if device else None)
     if zero:
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
     else:
@@ -111,7 +118,10 @@ def torch_variant(zero, args):
 
     def step(x, y):
         opt.zero_grad()
-        loss = F.cross_entropy(ddp(torch.from_numpy(x)), torch.from_numpy(y))
+        x, y = torch.from_numpy(x), torch.from_numpy(y)
+        if device is not None:
+            x, y = x.to(device), y.to(device)
+        loss = F.cross_entropy(ddp(x), y)
         loss.backward()
         opt.step()
         return loss.item()  # a Python float, as the meta_dist step returns
@@ -119,8 +129,8 @@ def torch_variant(zero, args):
     return step, None
 
 
-def start_torch(world):
-    """Initialise torch.distributed (gloo) with MPI's rank and size and a port from rank 0."""
+def start_torch(world, device):
+    """Initialise torch.distributed (gloo on CPU, nccl on GPU) with MPI's rank and size."""
     import torch
     import torch.distributed
 
@@ -131,7 +141,11 @@ def start_torch(world):
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(world.bcast(port)))
-    torch.distributed.init_process_group("gloo", rank=world.rank, world_size=world.size)
+    if device == "cuda":
+        local = world.Split_type(MPI.COMM_TYPE_SHARED).rank
+        torch.cuda.set_device(local % torch.cuda.device_count())
+    torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo",
+                                         rank=world.rank, world_size=world.size)
 
 
 def parse_args():
@@ -155,6 +169,9 @@ def parse_args():
                    help="hidden layers (784-H-...-H-10); --hidden 2048 --depth 6 is 22.6M "
                         "parameters in layers of equal size")
     p.add_argument("--torch", action="store_true", help="also run PyTorch DDP and DDP + ZeRO")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: meta_dist on CuPy (NCCL where usable) and torch on the GPU "
+                        "(nccl process group)")
     args = p.parse_args()
     args.levels = [int(level) for level in args.levels.split(",") if level]
     return args
@@ -170,11 +187,11 @@ def main():
     starts = [i * GLOBAL_BATCH + rank * local for i in range(BATCHES)]  # this rank's part
     batches = [(x[s:s + local], y[s:s + local]) for s in starts]
     if args.torch:
-        start_torch(world)
+        start_torch(world, args.device)
     makers = {f"meta_dist ZeRO-{lv}" if lv else "meta_dist DP":
               (lambda lv=lv: meta_variant(lv, args)) for lv in args.levels}
     if args.torch:
-        makers["torch DDP (gloo)"] = lambda: torch_variant(False, args)
+        makers["torch DDP"] = lambda: torch_variant(False, args)
         makers["torch DDP + ZeroRedundancyOpt"] = lambda: torch_variant(True, args)
 
     runs = {}  # name -> dict(step, report, peak, held, times, done, loss)
@@ -209,7 +226,8 @@ def main():
         params = sum(build_mlp(args.hidden, args.depth).layer_numels())
         shape = "-".join(["784"] + [str(args.hidden)] * args.depth + ["10"])
         print(f"# {size} ranks, MLP {shape} ({params / 1e6:.2f}M params)"
-              f", Adam, fp32, global batch {GLOBAL_BATCH} ({local}/rank), overlap_comm="
+              f", Adam, fp32, {args.device}, torch on {'nccl' if args.device == 'cuda' else 'gloo'}"
+              f", global batch {GLOBAL_BATCH} ({local}/rank), overlap_comm="
               f"{args.overlap}, bucket {args.bucket_mb:g} MiB, 1 thread/rank; {args.steps} steps "
               f"after {args.warmup} warmup; step time = max over ranks of the median; memory "
               "MiB per rank (max over ranks)")
@@ -225,7 +243,7 @@ def main():
         print(f"# process peak RSS (ru_maxrss, max over ranks): {process_peak:.0f} MiB; with "
               "several variants in one process the Δ columns may blur: use --levels N for one")
         ms = {name: r["ms"] for name, r in runs.items()}
-        dp, ddp = ms.get("meta_dist DP"), ms.get("torch DDP (gloo)")
+        dp, ddp = ms.get("meta_dist DP"), ms.get("torch DDP")
         parts = []
         if dp and ddp:
             parts.append(f"DP {GLOBAL_BATCH / dp * 1e3:.0f} samples/s = {ddp / dp:.2f}x torch DDP "

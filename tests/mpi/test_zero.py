@@ -145,8 +145,9 @@ def test_memory_report_matches_zero_table(contexts):
     assert reports[1]["optimizer"] == reports[0]["optimizer"] // n
     assert reports[2]["grads"] == reports[0]["grads"] // n
     assert reports[2]["optimizer"] == reports[0]["optimizer"] // n
-    # staging: two half-size buckets with overlap; here the bucket holds the whole model
-    assert reports[2]["buffers"] <= 2 * full
+    # one bucket holds the whole model, so one staging buffer: grads <= level 0's / N + a bucket
+    assert reports[2]["buffers"] == full
+    assert reports[2]["grads"] + reports[2]["buffers"] <= reports[0]["grads"] // n + full
 
 
 def test_data_parallel_batch_must_split(contexts):
@@ -156,3 +157,15 @@ def test_data_parallel_batch_must_split(contexts):
     with pytest.raises(ValueError, match="batch_size"):
         trainer_on(world, "classifier", make_config(0, "sgd", "float64", batch=world.size + 1),
                    "float64", softmax_cross_entropy)
+
+
+def test_zero2_staging_is_sized_by_buckets(contexts):
+    """Many buckets with overlap: two staging buffers, each sized for the buckets it takes."""
+    world, _ = contexts
+    x, y, loss_fn = data("classifier", "float64")
+    t = trainer_on(world, "classifier", make_config(2, "adam", "float64", bucket_mb=1e-4),
+                   "float64", loss_fn)
+    buckets = t.stage.flat.buckets
+    assert len(buckets) == 2  # Linear(4, 5) and Linear(5, 3), one bucket each
+    expected = sum(max(b.padded_size for b in buckets[k::2]) for k in range(2)) * 8
+    assert t.memory_report()["buffers"] == expected
