@@ -83,10 +83,7 @@ class MpiCommunicator(Communicator):
             self._comm.Allreduce(MPI.IN_PLACE if recv is send else send, recv, op=MPI_OPS[op])
             return
         bounds = _chunk_bounds(send.size, self.size)
-        lo, hi = bounds[self.rank], bounds[self.rank + 1]
-        self._pairwise_reduce(send, recv[lo:hi], bounds, op)
-        counts = [bounds[r + 1] - bounds[r] for r in range(self.size)]
-        self._comm.Allgatherv(MPI.IN_PLACE, [recv, counts, bounds[:-1], _mpi_type(recv)])
+        self._pairwise_reduce(send, recv, bounds, op, gather=True)
 
     @staged("reduce_scatter")
     def _reduce_scatter(self, send: np.ndarray, recv: np.ndarray, op: str) -> None:
@@ -104,7 +101,7 @@ class MpiCommunicator(Communicator):
                 self._comm.Reduce_scatter_block(send, recv, op=MPI_OPS[op])
             return
         bounds = [r * recv.size for r in range(self.size + 1)]
-        self._pairwise_reduce(send, recv, bounds, op)
+        self._pairwise_reduce(send, recv, bounds, op, gather=False)
 
     @staged("allgather")
     def _allgather(self, send: np.ndarray, recv: np.ndarray) -> None:
@@ -160,30 +157,43 @@ class MpiCommunicator(Communicator):
         return (send.nbytes < self.pairwise_min_bytes[api]
                 and send.dtype not in NUMPY_REDUCED_DTYPES)
 
-    def _pairwise_reduce(self, send: np.ndarray, mine: np.ndarray, bounds: list[int],
-                         op: str) -> None:
-        """Reduce chunk ``rank`` of ``send`` (bounded by ``bounds``) into ``mine`` across ranks.
+    def _pairwise_reduce(self, send: np.ndarray, recv: np.ndarray, bounds: list[int], op: str,
+                         gather: bool) -> None:
+        """Reduce chunk ``rank`` of ``send`` across ranks; with ``gather``, allreduce.
 
-        ``mine`` may be that chunk of ``send`` itself (in place). Step k sends chunk rank+k and
-        receives from rank-k, in segments; every rank walks the same number of segments, so the
-        Sendrecv calls always pair up even when chunk sizes differ.
+        ``bounds`` splits ``send`` into one chunk per rank. Without ``gather``, ``recv`` is this
+        rank's reduced chunk (it may be that chunk of ``send``: in place); with it, ``recv`` is
+        the whole result (it may be ``send``). The work goes segment by segment: step k sends
+        the segment of chunk rank+k and adds what rank-k sent for this rank's chunk; with
+        ``gather`` the reduced segment is then sent to every rank while it is still in cache
+        (as fast as a separate allgather here, within noise, and one routine for both). Every
+        rank walks the same number of segments, so the Sendrecv calls pair up even when chunk
+        sizes differ.
         """
-        ufunc = UFUNCS[op]
-        own = send[bounds[self.rank] : bounds[self.rank + 1]]
+        ufunc, rank, size = UFUNCS[op], self.rank, self.size
+        lo, hi = bounds[rank], bounds[rank + 1]
+        mine = recv[lo:hi] if gather else recv
+        own = send[lo:hi]
         if _ptr(mine) != _ptr(own):
             mine[...] = own
         seg = max(1, self.segment_bytes // send.itemsize)
-        longest = max(bounds[r + 1] - bounds[r] for r in range(self.size))
+        longest = max(bounds[r + 1] - bounds[r] for r in range(size))
         scratch = self._scratch_buffer(send.dtype, min(seg, longest))
-        for k in range(1, self.size):
-            to, frm = (self.rank + k) % self.size, (self.rank - k) % self.size
-            out_chunk = send[bounds[to] : bounds[to + 1]]
-            for start in range(0, longest, seg):
-                piece = out_chunk[start : start + seg]
-                part = mine[start : start + seg]
+        for start in range(0, longest, seg):
+            part = mine[start : start + seg]
+            for k in range(1, size):
+                to, frm = (rank + k) % size, (rank - k) % size
+                piece = send[bounds[to] + start : min(bounds[to] + start + seg, bounds[to + 1])]
                 got = scratch[: part.size]
                 self._comm.Sendrecv(piece, dest=to, recvbuf=got, source=frm)
                 ufunc(part, got, out=part)
+            if not gather:
+                continue
+            for k in range(1, size):
+                to, frm = (rank + k) % size, (rank - k) % size
+                theirs = recv[bounds[frm] + start : min(bounds[frm] + start + seg,
+                                                        bounds[frm + 1])]
+                self._comm.Sendrecv(part, dest=to, recvbuf=theirs, source=frm)
 
     def _scratch_buffer(self, dtype: np.dtype, numel: int) -> np.ndarray:
         buf = self._scratch.get(dtype)
@@ -200,7 +210,3 @@ def _chunk_bounds(numel: int, parts: int) -> list[int]:
     for r in range(parts):
         bounds.append(bounds[-1] + base + (1 if r < extra else 0))
     return bounds
-
-
-def _mpi_type(arr: np.ndarray) -> MPI.Datatype:
-    return MPI._typedict[arr.dtype.char]

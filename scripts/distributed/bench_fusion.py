@@ -62,12 +62,16 @@ def main():
     def fused():
         meta_dist.allreduce(arrays, out=arrays)
 
+    def fused_new():
+        meta_dist.allreduce(arrays)  # results are views of one new buffer: no copy back
+
     def per_array():
         for a in arrays:
             meta_dist.allreduce(a, out=a)
 
     variants = {"(a) raw mpi4py, one Allreduce per array": raw,
                 "(b) meta_dist.allreduce(list), fused": fused,
+                "(b2) fused, new arrays (out=None)": fused_new,
                 "(c) meta_dist.allreduce, one call per array": per_array}
     for run in variants.values():
         for _ in range(args.warmup):
