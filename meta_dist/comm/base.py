@@ -10,6 +10,7 @@ backend implements only the ``_allreduce``-style primitives on flat, contiguous 
 from __future__ import annotations
 
 import os
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -197,6 +198,19 @@ class Communicator(ABC):
     def recv(self, out: Any, peer: int) -> Any:
         """Receive into ``out`` (an array or list of arrays) what rank ``peer`` sends; return it."""
         return self._sync(self._recv_plan(out, peer), "recv")
+
+    def send_async(self, send: Any, peer: int) -> Handle:
+        """Start ``send`` and return a Handle at once; see ``send``.
+
+        Unlike the collectives, point-to-point operations are not queued behind each other:
+        each runs on its own thread, as MPI_Isend would, so two ranks may each start a send to
+        the other and then receive without deadlocking. Do not touch ``send`` until ``wait()``.
+        """
+        return self._detached(self._send_plan(send, peer), "send")
+
+    def recv_async(self, out: Any, peer: int) -> Handle:
+        """Start ``recv`` into ``out`` and return a Handle whose ``wait()`` returns it."""
+        return self._detached(self._recv_plan(out, peer), "recv")
 
     def barrier(self) -> None:
         """Wait until every rank has reached the barrier. Collective."""
@@ -549,6 +563,24 @@ class Communicator(ABC):
                 watchdog.leave()
 
         return self._worker.submit(watched)
+
+    def _detached(self, run: Callable[[], Any], api: str) -> Handle:
+        """Run a point-to-point plan on a thread of its own (see ``send_async``)."""
+        if not self.supports_detached_p2p:
+            raise NotImplementedError(
+                f"{api}_async: the {self.backend_name} backend has no independent point-to-point "
+                f"operations; use the blocking {api} (pair sends and receives in the same "
+                "order on both ranks)")
+        handle = Handle(run)
+
+        def work() -> None:
+            self._worker_started()
+            handle._execute()
+
+        threading.Thread(target=work, name=f"meta_dist-{api}", daemon=True).start()
+        return handle
+
+    supports_detached_p2p = True
 
     def _worker_started(self) -> None:  # noqa: B027 (optional hook)
         """Called first on the communication thread; backends set per-thread state here."""

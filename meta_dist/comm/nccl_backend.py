@@ -196,6 +196,8 @@ class NcclCommunicator(Communicator):
     """
 
     backend_name = "nccl"
+    # concurrent calls on one NCCL communicator from several threads are not safe
+    supports_detached_p2p = False
 
     def __init__(self, connector: MPIConnector, *, stream: Any = None, **kwargs: Any) -> None:
         _agree(connector, "make_communicator('nccl')", nccl_unavailable_reason())

@@ -220,3 +220,18 @@ def test_send_recv_fused_list(comm):
 
 def test_barrier(comm):
     comm.barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_async_send_recv_exchange_does_not_deadlock(comm):
+    """Both ranks start a large send to the other, then receive: MPI_Isend semantics."""
+    if comm.rank > 1:
+        return
+    peer = 1 - comm.rank
+    mine = np.full(1 << 20, comm.rank, np.float64)  # 8 MiB: beyond any eager limit
+    got = np.empty_like(mine)
+    sent = comm.send_async(mine, peer)
+    received = comm.recv_async(got, peer)
+    assert received.wait() is got
+    assert sent.wait() is None
+    np.testing.assert_array_equal(got, np.full(1 << 20, peer, np.float64))
