@@ -464,8 +464,8 @@ class GELU(Layer):
         return dout * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du)
 
 
-class AvgPool2d(Layer):
-    """Average pooling over NCHW input, no padding; ``stride`` defaults to ``kernel_size``."""
+class _Pool2d(Layer):
+    """Shared constructor of the pooling layers: NCHW, no padding, stride defaults to kernel."""
 
     def __init__(self, kernel_size, stride=None) -> None:
         """Create the layer.
@@ -479,10 +479,14 @@ class AvgPool2d(Layer):
             TypeError: kernel_size or stride is not an int or a pair of ints.
         """
         super().__init__()
-        self.kernel_size = _pair("AvgPool2d", "kernel_size", kernel_size, 1)
-        self.stride = _pair("AvgPool2d", "stride",
-                            kernel_size if stride is None else stride, 1)
+        name = type(self).__name__
+        self.kernel_size = _pair(name, "kernel_size", kernel_size, 1)
+        self.stride = _pair(name, "stride", kernel_size if stride is None else stride, 1)
         self.x_hw = None
+
+
+class AvgPool2d(_Pool2d):
+    """Average pooling over NCHW input, no padding; ``stride`` defaults to ``kernel_size``."""
 
     def forward(self, x):
         """Return the mean over each window."""
@@ -500,29 +504,16 @@ class AvgPool2d(Layer):
         return _scatter_windows(dwin, self.x_hw, self.stride)
 
 
-class MaxPool2d(Layer):
+class MaxPool2d(_Pool2d):
     """Max pooling over NCHW input, no padding; ``stride`` defaults to ``kernel_size``.
 
     On ties the gradient goes to the first maximal element of the window (row-major order).
     """
 
     def __init__(self, kernel_size, stride=None) -> None:
-        """Create the layer.
-
-        Args:
-            kernel_size: int or (kh, kw).
-            stride: int or (sh, sw); None means kernel_size (non-overlapping windows).
-
-        Raises:
-            ValueError: a size is not positive.
-            TypeError: kernel_size or stride is not an int or a pair of ints.
-        """
-        super().__init__()
-        self.kernel_size = _pair("MaxPool2d", "kernel_size", kernel_size, 1)
-        self.stride = _pair("MaxPool2d", "stride",
-                            kernel_size if stride is None else stride, 1)
+        """Create the layer; see ``_Pool2d``. Keeps each window's argmax for backward."""
+        super().__init__(kernel_size, stride)
         self.argmax = None
-        self.x_hw = None
 
     def forward(self, x):
         """Return the max over each window; keeps the argmax within each window."""
