@@ -235,3 +235,28 @@ def test_async_send_recv_exchange_does_not_deadlock(comm):
     assert received.wait() is got
     assert sent.wait() is None
     np.testing.assert_array_equal(got, np.full(1 << 20, peer, np.float64))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int64", "uint8"])
+@pytest.mark.parametrize("op", ["sum", "max", "prod"])
+def test_large_fused_list_in_place_without_copies(comm, connector, dtype, op):
+    """Lists of >= 256 KiB reduced in place move without fusion copies (comm/mpi_lists.py).
+
+    Odd lengths make the ranks' chunks uneven and cut arrays in the middle; calling twice on
+    the same arrays reuses the cached datatypes; a new list at recycled ids must not.
+    """
+    sizes = [7, 40001, 1, 30011, 5, 20017, 3]
+    for round_ in range(3):
+        inputs = [[rank_input(round_ * 10 + i, r, (n,), dtype, op) for i, n in enumerate(sizes)]
+                  for r in range(comm.size)]
+        mine = [a.copy() for a in inputs[comm.rank]]
+        result = comm.allreduce(mine, op, out=mine)
+        assert all(r is m for r, m in zip(result, mine, strict=True))
+        for i, got in enumerate(mine):
+            assert_matches(got, reference([inputs[r][i] for r in range(comm.size)], op),
+                           comm.size)
+            assert same_on_every_rank(connector, got)
+        again = [a.copy() for a in inputs[comm.rank]]  # new objects, maybe at recycled ids
+        comm.allreduce(again, op, out=again)
+        for a, b in zip(again, mine, strict=True):
+            np.testing.assert_array_equal(a, b)
