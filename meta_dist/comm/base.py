@@ -407,6 +407,7 @@ class Communicator(ABC):
         self._live(api)
         if (type(arrays) is np.ndarray and arrays.dtype in _DTYPE_SET
                 and arrays.flags.c_contiguous):  # the common case, checked in ~0.5 µs
+            self._check_arrays(api, [arrays])
             return [arrays], False
         is_list = isinstance(arrays, (list, tuple))
         items = list(arrays) if is_list else [arrays]
@@ -417,6 +418,7 @@ class Communicator(ABC):
             dtype = items[0].dtype
             if all(type(a) is first and a.dtype == dtype and a.flags.c_contiguous
                    for a in items):
+                self._check_arrays(api, items)
                 return items, is_list
         for i, a in enumerate(items):
             if not hasattr(a, "dtype") or not hasattr(a, "shape"):

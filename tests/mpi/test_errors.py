@@ -89,3 +89,24 @@ def test_closed_communicator(connector):
 def test_unknown_backend(connector):
     with pytest.raises(ValueError, match="unknown backend; got 'gloo', expected one of mpi, nccl"):
         make_communicator("gloo", connector)
+
+
+def test_backend_array_check_runs_on_every_path(connector):
+    """The fast paths for clean numpy arrays and lists still ask the backend (NCCL refuses
+    host arrays there); a backend hook that refuses everything must see every call."""
+    from meta_dist.comm.mpi_backend import MpiCommunicator
+
+    class Refusing(MpiCommunicator):
+        def _check_arrays(self, api, arrays):
+            raise TypeError(f"{api}: refused {len(arrays)} array(s)")
+
+    c = Refusing(connector)
+    try:
+        with pytest.raises(TypeError, match="allreduce: refused 1 array"):
+            c.allreduce(np.ones(4))
+        with pytest.raises(TypeError, match="allreduce: refused 3 array"):
+            c.allreduce([np.ones(2)] * 3)
+        with pytest.raises(TypeError, match="allgather: refused 1 array"):
+            c.allgather(np.ones(2, np.float32))
+    finally:
+        c.close()
