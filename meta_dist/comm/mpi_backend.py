@@ -16,6 +16,7 @@ with bit-identical results.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import numpy as np
@@ -159,10 +160,10 @@ class MpiCommunicator(Communicator):
 
     def _allreduce_list(self, sends: list[Any], outs: list[Any], op: str) -> None:
         """Lists of host arrays reduced in place move without fusion copies (``mpi_lists``)."""
-        total = sum(a.nbytes for a in sends)
-        if (self.size > 1 and total >= ZERO_COPY_MIN_BYTES and type(sends[0]) is np.ndarray
-                and all(o is a for o, a in zip(outs, sends, strict=True))):
-            self._lists.run(sends, _chunk_bounds(sum(a.size for a in sends), self.size), op)
+        total = sum(a.size for a in sends)
+        if (self.size > 1 and total * sends[0].itemsize >= ZERO_COPY_MIN_BYTES
+                and type(sends[0]) is np.ndarray and all(map(operator.is_, outs, sends))):
+            self._lists.run(sends, _chunk_bounds(total, self.size), op)
             return
         super()._allreduce_list(sends, outs, op)
 

@@ -110,3 +110,11 @@ def test_backend_array_check_runs_on_every_path(connector):
             c.allgather(np.ones(2, np.float32))
     finally:
         c.close()
+
+
+def test_read_only_array_in_an_in_place_list_is_refused(comm):
+    big = [np.ones(40000), np.ones(40000)]  # >= 256 KiB: the zero-copy list path
+    big[1].flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        comm.allreduce(big, out=big)
+    np.testing.assert_array_equal(big[0], np.ones(40000))  # nothing moved before the error
