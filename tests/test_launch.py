@@ -95,3 +95,25 @@ def test_dist_example_bad_config_fails_fast_once(args, message):
     assert message in result.output, str(result)
     assert result.output.count("dist_example:") == 1, str(result)  # printed once, by rank 0
     assert "epoch 1" not in result.output
+
+
+def test_collective_before_init_says_how_to_start():
+    result = run(1, ["tests/scripts/before_init.py"], timeout=60)
+    assert result.returncode == 0, str(result)
+    assert ("refused: meta_dist.allreduce called before init; call meta_dist.init() or "
+            "meta_dist.distributed.get_context() first") in result.output, str(result)
+
+
+def test_dist_example_trains_on_a_users_npz(tmp_path):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 3, 8, 8)).astype(np.float32)
+    path = tmp_path / "data.npz"
+    np.savez(path, x=x, y=(x.mean(axis=(1, 2, 3)) > 0).astype(np.int64))
+    result = run(2, ["scripts/distributed/dist_example.py", f"data_path={path}",
+                     "input_shape=[3, 8, 8]", "num_classes=2", "batch_size=16", "n_epoch=2"],
+                 timeout=180)
+    assert result.returncode == 0, str(result)
+    assert f"data_path            = {path}" in result.output, str(result)
+    assert len(epoch_losses(result.output)) == 2
