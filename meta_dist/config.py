@@ -11,7 +11,7 @@ first collective, with the key, the value, the rule and where the value came fro
 Environment variables (the one place they are documented):
     META_DIST_MPIRUN: the mpirun launcher used by tests and scripts (default ``mpirun``).
     META_DIST_CHECK: ``0`` disables the cross-rank shape/dtype check in collectives (it costs one
-        small allgather per call).
+        16-byte allreduce per call, about 7 µs between 2 ranks here).
     META_DIST_CUDA_AWARE_MPI: ``1`` or ``0`` overrides detection of CUDA-aware MPI.
 """
 

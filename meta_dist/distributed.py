@@ -77,8 +77,9 @@ class DistContext:
         if backend not in self._communicators:
             raise RuntimeError(
                 f"communicator: backend {backend!r} is not active in this context; got "
-                f"backend={self._backend!r} at init; call meta_dist.init(backend='nccl') "
-                "(it says what is missing if NCCL cannot run here)"
+                f"backend={self._backend!r} at init; call meta_dist.shutdown(), then "
+                f"meta_dist.init(backend={backend!r}) (it says what is missing if it cannot "
+                "run here)"
             )
         return self._communicators[backend]
 
@@ -96,10 +97,16 @@ class DistContext:
 
     def close(self) -> None:
         """Close every communicator and the connector. Collective."""
-        for comm in self._communicators.values():
-            comm.close()
-        self._communicators.clear()
-        self.connector.close()
+        try:
+            for comm in self._communicators.values():
+                try:
+                    comm.close()
+                except Exception:  # close the rest, then report the first failure
+                    self.connector.close()
+                    raise
+        finally:
+            self._communicators.clear()
+            self.connector.close()
 
 
 _context: DistContext | None = None
@@ -116,6 +123,10 @@ def init(backend: str = "auto") -> DistContext:
     if _context is None:
         _context = DistContext(MPIConnector(), backend=backend)
         _was_shut_down = False
+    elif backend != "auto" and backend != _context.backend:
+        raise RuntimeError(
+            f"init: the context is already running with backend {_context.backend!r}; got "
+            f"backend={backend!r}; call meta_dist.shutdown() first to change it")
     return _context
 
 
@@ -212,4 +223,4 @@ def recv(out: Any, peer: int) -> Any:
 
 def barrier() -> None:
     """Wait for every rank. Collective."""
-    _live_context("barrier").connector.barrier()
+    _live_context("barrier").communicator("mpi").barrier()

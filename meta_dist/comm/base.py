@@ -10,7 +10,6 @@ backend implements only the ``_allreduce``-style primitives on flat, contiguous 
 from __future__ import annotations
 
 import os
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -81,6 +80,7 @@ class Communicator(ABC):
         self._watchdog = StallWatchdog(self.rank, stall_timeout) if stall_timeout else None
         self._fusion: dict[tuple[Any, np.dtype], Any] = {}
         self._worker = OrderedWorker(on_start=self._worker_started)
+        self._p2p: dict[tuple[str, int], OrderedWorker] = {}  # (send|recv, peer) -> its thread
         self.closed = False
 
     # ---------------------------------------------------------------- public collectives
@@ -193,24 +193,25 @@ class Communicator(ABC):
         Blocks until the data is handed to the library; the matching ``recv`` must use the same
         shapes and dtype, or it raises ValueError after receiving the message (nothing is lost).
         """
-        self._sync(self._send_plan(send, peer), "send")
+        self._p2p_sync(self._send_plan(send, peer), "send", peer)
 
     def recv(self, out: Any, peer: int) -> Any:
         """Receive into ``out`` (an array or list of arrays) what rank ``peer`` sends; return it."""
-        return self._sync(self._recv_plan(out, peer), "recv")
+        return self._p2p_sync(self._recv_plan(out, peer), "recv", peer)
 
     def send_async(self, send: Any, peer: int) -> Handle:
         """Start ``send`` and return a Handle at once; see ``send``.
 
-        Unlike the collectives, point-to-point operations are not queued behind each other:
-        each runs on its own thread, as MPI_Isend would, so two ranks may each start a send to
-        the other and then receive without deadlocking. Do not touch ``send`` until ``wait()``.
+        Point-to-point operations are not queued behind the collectives: sends to each peer run
+        in order on a thread of their own, and receives from each peer on another, as
+        MPI_Isend/MPI_Irecv would, so two ranks may each start a send to the other and then
+        receive without deadlocking. Do not touch ``send`` until ``wait()`` returns.
         """
-        return self._detached(self._send_plan(send, peer), "send")
+        return self._p2p_submit(self._send_plan(send, peer), "send", peer, send)
 
     def recv_async(self, out: Any, peer: int) -> Handle:
         """Start ``recv`` into ``out`` and return a Handle whose ``wait()`` returns it."""
-        return self._detached(self._recv_plan(out, peer), "recv")
+        return self._p2p_submit(self._recv_plan(out, peer), "recv", peer, out)
 
     def barrier(self) -> None:
         """Wait until every rank has reached the barrier. Collective."""
@@ -221,13 +222,17 @@ class Communicator(ABC):
         if self.closed:
             return
         self._worker.close()
+        for worker in self._p2p.values():
+            worker.close()
         if self._watchdog is not None:
             self._watchdog.stop()
         self._fusion.clear()
-        self._close_backend()
-        self._check_comm.Free()
-        self._check_comm = None
-        self.closed = True
+        try:
+            self._close_backend()
+        finally:  # whatever the backend did, this communicator is done
+            self._check_comm.Free()
+            self._check_comm = None
+            self.closed = True
 
     # ---------------------------------------------------------- plans (validate now, run later)
 
@@ -260,6 +265,8 @@ class Communicator(ABC):
                 )
         shapes = [(s.shape[0] // self.size, *s.shape[1:]) for s in sends]
         outs = self._outputs("reduce_scatter", out, shapes, sends, is_list)
+        if not is_list:
+            self._check_scatter_alias(sends[0], outs[0])
 
         def run() -> Any:
             self._fingerprint("reduce_scatter", sends, op=op)
@@ -358,7 +365,12 @@ class Communicator(ABC):
                 header = np.array([DTYPES.index(sends[0].dtype), sum(s.size for s in sends),
                                    shape_code([s.shape for s in sends])], np.int64)
                 self._check_comm.Send(header, dest=peer)
-            self._send(_flat(sends[0]) if not is_list else self._pack(sends, "send"), peer)
+            if not is_list:
+                self._send(_flat(sends[0]), peer)
+            else:  # its own buffer: a send may run beside a collective on another thread
+                total = sum(s.size for s in sends)
+                self._send(self._pack(sends, "send", into=array_module(sends[0]).empty(
+                    total, sends[0].dtype)), peer)
 
         return run
 
@@ -387,7 +399,7 @@ class Communicator(ABC):
             if not is_list:
                 self._recv(_flat(outs[0]), peer)
             else:
-                buf = self._fusion_buffer(outs[0], total, "recv")
+                buf = array_module(outs[0]).empty(total, outs[0].dtype)  # not the shared one
                 self._recv(buf, peer)
                 self._unpack(buf, outs)
             return outs if is_list else outs[0]
@@ -481,6 +493,16 @@ class Communicator(ABC):
                 "pass out=None or a writeable copy"
             )
 
+    def _check_scatter_alias(self, send: Any, out: Any) -> None:
+        """In place means exactly this rank's rows of ``send``; any other overlap is refused."""
+        if not array_module(send).may_share_memory(send, out):  # a bounds check: cheap
+            return
+        if _data_ptr(out) == _data_ptr(send) + self.rank * out.nbytes:
+            return
+        raise ValueError(
+            "reduce_scatter: out overlaps send elsewhere than this rank's rows; expected out to "
+            f"be send[{self.rank}*m:({self.rank}+1)*m] (in place) or separate memory")
+
     def _check_op(self, api: str, op: str, allowed: tuple[str, ...], dtype: np.dtype) -> None:
         if op not in allowed:
             raise ValueError(f"{api}: unknown op; got {op!r}, expected one of {', '.join(allowed)}")
@@ -556,9 +578,13 @@ class Communicator(ABC):
             watchdog.leave()
 
     def _submit(self, run: Callable[[], Any], api: str = "collective") -> Handle:
+        return self._worker.submit(self._watched(run, api))
+
+    def _watched(self, run: Callable[[], Any], api: str) -> Callable[[], Any]:
+        """Wrap ``run`` so the stall watchdog sees it (for the communication threads)."""
         watchdog = self._watchdog
         if watchdog is None:
-            return self._worker.submit(run)
+            return run
 
         def watched() -> Any:
             watchdog.enter(api)
@@ -567,25 +593,28 @@ class Communicator(ABC):
             finally:
                 watchdog.leave()
 
-        return self._worker.submit(watched)
+        return watched
 
-    def _detached(self, run: Callable[[], Any], api: str) -> Handle:
-        """Run a point-to-point plan on a thread of its own (see ``send_async``)."""
-        if not self.supports_detached_p2p:
-            raise NotImplementedError(
-                f"{api}_async: the {self.backend_name} backend has no independent point-to-point "
-                f"operations; use the blocking {api} (pair sends and receives in the same "
-                "order on both ranks)")
-        handle = Handle(run)
+    def _p2p_sync(self, run: Callable[[], Any], api: str, peer: int) -> Any:
+        """Blocking send/recv: after this peer's queued async ones, else as any call."""
+        worker = self._p2p.get((api, peer))
+        if worker is not None and not worker.idle():
+            return worker.submit(self._watched(run, api)).wait()
+        return self._sync(run, api)
 
-        def work() -> None:
-            self._worker_started()
-            handle._execute()
+    def _p2p_submit(self, run: Callable[[], Any], api: str, peer: int, arrays: Any) -> Handle:
+        problem = self._async_p2p_problem(arrays)
+        if problem is not None:
+            raise NotImplementedError(f"{api}_async: {problem}; use the blocking {api} (pair "
+                                      "sends and receives in the same order on both ranks)")
+        key = (api, peer)
+        if key not in self._p2p:
+            self._p2p[key] = OrderedWorker(on_start=self._worker_started)
+        return self._p2p[key].submit(self._watched(run, api))
 
-        threading.Thread(target=work, name=f"meta_dist-{api}", daemon=True).start()
-        return handle
-
-    supports_detached_p2p = True
+    def _async_p2p_problem(self, arrays: Any) -> str | None:
+        """Return why this backend cannot run point-to-point asynchronously, or None."""
+        return None
 
     def _worker_started(self) -> None:  # noqa: B027 (optional hook)
         """Called first on the communication thread; backends set per-thread state here."""
@@ -626,6 +655,11 @@ class Communicator(ABC):
 
     def _close_backend(self) -> None:  # noqa: B027 (optional hook)
         """Release backend resources (called once by close())."""
+
+
+def _data_ptr(arr: Any) -> int:
+    """Return the address of an array's first element (numpy or CuPy)."""
+    return arr.data.ptr if hasattr(arr.data, "ptr") else arr.__array_interface__["data"][0]
 
 
 def _flat_pair(send: Any, out: Any) -> tuple[Any, Any]:

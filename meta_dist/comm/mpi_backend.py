@@ -17,6 +17,7 @@ with bit-identical results.
 from __future__ import annotations
 
 import operator
+import sys
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ from meta_dist.comm.base import Communicator
 from meta_dist.comm.mpi_lists import ListAllreduce
 from meta_dist.comm.staging import HostStaging, staged
 from meta_dist.connector import MPIConnector
+from meta_dist.xp import gpu_count, select_device
 
 MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
 UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
@@ -76,6 +78,18 @@ class MpiCommunicator(Communicator):
         self.segment_bytes = segment_bytes
         self._scratch: dict[np.dtype, np.ndarray] = {}
         self._lists = ListAllreduce(self._comm, UFUNCS, self._scratch_buffer)
+
+    def _async_p2p_problem(self, arrays: Any) -> str | None:
+        first = arrays[0] if isinstance(arrays, (list, tuple)) and arrays else arrays
+        if type(first) is np.ndarray:
+            return None
+        return ("CuPy arrays through the MPI backend are staged through host buffers shared by "
+                "send and receive, so only one may run at a time")
+
+    def _worker_started(self) -> None:
+        """Make this rank's GPU current on the async thread too (CUDA's device is per thread)."""
+        if "cupy" in sys.modules and gpu_count() > 0:
+            select_device(self.connector.local_rank)
 
     # ---------------------------------------------------------------- primitives
 

@@ -40,19 +40,29 @@ class ListPlan:
         basic = MPI._typedict[arrays[0].dtype.char]
         itemsize = arrays[0].itemsize
         self.types: list[MPI.Datatype] = []
-        self.mine: list[tuple[np.ndarray, int]] = []  # (piece of my chunk, offset in chunk)
+        # my chunk as (array index, first, last, offset in chunk): indices, not views, so the
+        # cache never keeps the caller's arrays alive
+        self.mine: list[tuple[int, int, int, int]] = []
         starts = np.cumsum([0] + [a.size for a in arrays[:-1]]).tolist()
+        try:
+            self._build(arrays, bounds, rank, starts, basic, itemsize)
+        except BaseException:
+            self.free()  # the datatypes made before the failure
+            raise
+
+    def _build(self, arrays: list[np.ndarray], bounds: list[int], rank: int, starts: list[int],
+               basic: MPI.Datatype, itemsize: int) -> None:
         for r in range(len(bounds) - 1):
             lo, hi = bounds[r], bounds[r + 1]
             lengths, addresses = [], []
-            for a, start in zip(arrays, starts, strict=True):
+            for i, (a, start) in enumerate(zip(arrays, starts, strict=True)):
                 first, last = max(lo, start), min(hi, start + a.size)
                 if first >= last:
                     continue
                 lengths.append(last - first)
                 addresses.append(MPI.Get_address(a) + (first - start) * itemsize)
                 if r == rank:
-                    self.mine.append((a.reshape(-1)[first - start : last - start], first - lo))
+                    self.mine.append((i, first - start, last - start, first - lo))
             datatype = basic.Create_hindexed(lengths, addresses)
             datatype.Commit()
             self.types.append(datatype)
@@ -93,8 +103,10 @@ class ListAllreduce:
             to, frm = (rank + k) % size, (rank - k) % size
             self.comm.Sendrecv([MPI.BOTTOM, 1, plan.types[to]], dest=to,
                                recvbuf=got, source=frm)
-            for piece, offset in plan.mine:
-                ufunc(piece, got[offset : offset + piece.size], out=piece)
+            for i, first, last, offset in plan.mine:
+                a = arrays[i]
+                piece = (a if a.ndim == 1 else a.reshape(-1))[first:last]
+                ufunc(piece, got[offset : offset + last - first], out=piece)
         for k in range(1, size):  # allgather: my reduced chunk to everyone, theirs to me
             to, frm = (rank + k) % size, (rank - k) % size
             self.comm.Sendrecv([MPI.BOTTOM, 1, plan.types[rank]], dest=to,

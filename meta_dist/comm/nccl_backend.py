@@ -179,7 +179,8 @@ class NcclCommunicator(Communicator):
     has fired: CuPy's memory pool is per stream and would hand a freed block to another
     allocation while NCCL still reads it. With ``stall_timeout`` set (the default) each
     primitive then waits on the host for its done event, polling NCCL for asynchronous errors;
-    past the deadline it aborts the communicator and raises RuntimeError. With
+    past 0.9 x the deadline it aborts the communicator and raises RuntimeError (before the
+    process watchdog would end the job). With
     ``stall_timeout=None`` a primitive returns once its work is enqueued.
 
     Each rank uses GPU ``local_rank % gpu_count()`` (respecting CUDA_VISIBLE_DEVICES). Ranks
@@ -196,8 +197,6 @@ class NcclCommunicator(Communicator):
     """
 
     backend_name = "nccl"
-    # concurrent calls on one NCCL communicator from several threads are not safe
-    supports_detached_p2p = False
 
     def __init__(self, connector: MPIConnector, *, stream: Any = None, **kwargs: Any) -> None:
         _agree(connector, "make_communicator('nccl')", nccl_unavailable_reason())
@@ -296,6 +295,10 @@ class NcclCommunicator(Communicator):
                     f"{self.device}, this rank's (local_rank % gpu_count()); allocate it under "
                     f"cupy.cuda.Device({self.device})")
 
+    def _async_p2p_problem(self, arrays: Any) -> str | None:
+        return ("the nccl backend has no independent point-to-point operations (one NCCL "
+                "communicator must not be driven from several threads)")
+
     def _worker_started(self) -> None:
         self._cupy.cuda.Device(self.device).use()  # the async thread's own current device
 
@@ -335,7 +338,9 @@ class NcclCommunicator(Communicator):
 
     def _wait(self, api: str, done: Any) -> None:
         """Poll ``done`` and NCCL's async error; abort and raise on an error or a stall."""
-        deadline, pause = time.monotonic() + self.stall_timeout, 1e-5
+        # 0.9 x the watchdog's timeout: this loop can name NCCL's state and abort the
+        # communicator cleanly; the process watchdog (MPI_Abort) stays the last resort
+        deadline, pause = time.monotonic() + 0.9 * self.stall_timeout, 1e-5
         while not done.done:
             try:
                 self._comm.check_async_error()
@@ -347,7 +352,8 @@ class NcclCommunicator(Communicator):
                 self._abort()
                 raise RuntimeError(
                     f"nccl {api} stalled on rank {self.rank}: not finished after "
-                    f"{self.stall_timeout:g} s and NCCL reports no error; some rank did not call "
+                    f"{0.9 * self.stall_timeout:g} s and NCCL reports no error; some rank did "
+                    "not call "
                     f"the same collective, or is stuck; {ABORTED}")
             time.sleep(pause)  # a host core spinning here would slow the peers sharing it
             pause = min(2 * pause, 1e-3)

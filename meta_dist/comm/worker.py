@@ -60,10 +60,11 @@ class OrderedWorker:
     def submit(self, run: Callable[[], Any]) -> Handle:
         """Queue ``run`` and return its Handle."""
         handle = Handle(run)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="meta_dist-comm", daemon=True)
-            self._thread.start()
-        with self._lock:
+        with self._lock:  # one thread only, however many callers submit at once
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="meta_dist-comm",
+                                                daemon=True)
+                self._thread.start()
             self._pending += 1
         self._queue.put(handle)
         return handle
@@ -80,12 +81,20 @@ class OrderedWorker:
             self._thread = None
 
     def _loop(self) -> None:
+        failed: BaseException | None = None
         if self._on_start is not None:
-            self._on_start()
+            try:
+                self._on_start()
+            except BaseException as error:  # every queued handle gets it, none waits forever
+                failed = error
         while True:
             handle = self._queue.get()
             if handle is None:
                 return
-            handle._execute()
+            if failed is None:
+                handle._execute()
+            else:
+                handle._error = failed
+                handle._event.set()
             with self._lock:
                 self._pending -= 1

@@ -73,7 +73,9 @@ class Trainer:
             raise ValueError("Trainer: the model has no parameters; expected at least one layer "
                              "with parameters (Linear, Conv2d, BatchNorm)")
         self.xp = sys.modules["cupy"] if is_cupy_array(first) else np
-        self.comm = self.context.communicator_for(first)
+        backend = config.dist.backend  # "auto": by array kind (CuPy: NCCL where usable)
+        self.comm = (self.context.communicator_for(first) if backend == "auto"
+                     else self.context.communicator(backend))
         self.stage = self._make_stage(STAGES[config.dist.zero_opt_level])
         self.stage.attach()
 
@@ -139,8 +141,8 @@ class Trainer:
     def memory_report(self) -> dict[str, int]:
         """Bytes of params, grads, optimizer state and buffers this rank holds, and its peak.
 
-        ``peak`` is the process's peak resident memory (CPU) or the CuPy pool's high-water
-        mark of bytes in use (GPU).
+        ``peak`` is the process's peak resident memory (CPU), or on a GPU the bytes the CuPy
+        memory pool holds now (blocks in use and cached free ones).
         """
         report = self.stage.memory_report()
         if self.xp is np:

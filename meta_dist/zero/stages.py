@@ -92,9 +92,8 @@ class ZeroStage:
 
     def step(self) -> None:
         """Finish the gradient reduction, update this rank's part, and share the result."""
-        if not self.overlap:
-            for bucket in reversed(self.flat.buckets):
-                self._reduce_bucket(bucket)
+        if not self.overlap:  # buckets only serve overlap: reduce the whole buffer at once
+            self.comm.allreduce(self.flat_grads, "avg", out=self.flat_grads)
         for handle in self._pending:
             handle.wait()
         self._pending.clear()

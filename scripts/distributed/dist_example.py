@@ -52,7 +52,7 @@ def main(argv):
         if MPI.COMM_WORLD.Get_rank() == 0:
             print(f"dist_example: {error}", file=sys.stderr)
         return 2
-    dctx = dist.get_context()
+    dctx = dist.init(backend=config.dist.backend)
     if dctx.rank == dctx.root_rank:
         nodes = len(set(dctx.connector.allgather(MPI.Get_processor_name())))
         print(f"{dctx.size} rank(s) on {nodes} node(s); "

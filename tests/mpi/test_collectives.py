@@ -260,3 +260,18 @@ def test_large_fused_list_in_place_without_copies(comm, connector, dtype, op):
         comm.allreduce(again, op, out=again)
         for a, b in zip(again, mine, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_async_sends_to_one_peer_arrive_in_order(comm):
+    """Sends to a peer run in order (MPI's non-overtaking rule), headers paired with data."""
+    if comm.rank == 0:
+        handles = [comm.send_async(np.full(n, float(n)), peer=1) for n in (3, 200000, 5, 1)]
+        for h in handles:
+            h.wait()
+    elif comm.rank == 1:
+        outs = [np.empty(n) for n in (3, 200000, 5, 1)]
+        received = [comm.recv_async(o, peer=0) for o in outs]
+        for h, o in zip(received, outs, strict=True):
+            assert h.wait() is o
+            np.testing.assert_array_equal(o, np.full(o.size, float(o.size)))

@@ -118,3 +118,13 @@ def test_read_only_array_in_an_in_place_list_is_refused(comm):
     with pytest.raises(ValueError, match="read-only"):
         comm.allreduce(big, out=big)
     np.testing.assert_array_equal(big[0], np.ones(40000))  # nothing moved before the error
+
+
+def test_reduce_scatter_refuses_a_partial_overlap(comm):
+    if comm.size == 1:
+        pytest.skip("with one rank every overlap is the rank's own rows")
+    send = np.ones(comm.size * 4)
+    wrong = send[(comm.rank + 1) % comm.size * 4:][:4] if comm.rank != comm.size - 1 else send[1:5]
+    with pytest.raises(ValueError, match="out overlaps send elsewhere than this rank's rows"):
+        comm.reduce_scatter(send, out=wrong)
+    comm.reduce_scatter(send, out=send[comm.rank * 4:(comm.rank + 1) * 4])  # in place: fine
