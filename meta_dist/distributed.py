@@ -161,15 +161,9 @@ def _live_context(api: str) -> DistContext:
 
 def _nccl_usable_everywhere(connector: MPIConnector) -> bool:
     """Return True when NCCL can run on every rank (collective: one decision for all)."""
-    from meta_dist.xp import cupy_or_none
+    from meta_dist.comm.nccl_backend import nccl_unavailable_reason  # imports without cupy
 
-    if cupy_or_none() is None:
-        usable = False
-    else:
-        from meta_dist.comm.nccl_backend import nccl_unavailable_reason
-
-        usable = nccl_unavailable_reason() is None
-    return all(connector.allgather(usable))
+    return all(connector.allgather(nccl_unavailable_reason() is None))
 
 
 def _check_backend(backend: str) -> str:

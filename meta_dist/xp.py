@@ -41,6 +41,13 @@ def to_numpy(arr: object) -> np.ndarray:
     return np.asarray(arr)
 
 
+def data_ptr(arr: object) -> int:
+    """Return the address of an array's first element (numpy or CuPy), for aliasing checks."""
+    if is_cupy_array(arr):
+        return arr.data.ptr
+    return arr.__array_interface__["data"][0]
+
+
 def gpu_count() -> int:
     """Return how many CUDA devices this process can see (0 without cupy or a driver)."""
     cupy = cupy_or_none()

@@ -19,7 +19,7 @@ import numpy as np
 from meta_dist.comm.consistency import ConsistencyCheck, StallWatchdog, shape_code
 from meta_dist.comm.worker import Handle, OrderedWorker
 from meta_dist.connector import MPIConnector
-from meta_dist.xp import array_module
+from meta_dist.xp import array_module, data_ptr
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "prod")
 SCATTER_OPS = ("sum", "avg")
@@ -495,10 +495,13 @@ class Communicator(ABC):
 
     def _check_scatter_alias(self, send: Any, out: Any) -> None:
         """In place means exactly this rank's rows of ``send``; any other overlap is refused."""
-        if not array_module(send).may_share_memory(send, out):  # a bounds check: cheap
+        if _owner(send) is not _owner(out):  # separate allocations cannot overlap: ~0.2 µs
             return
-        if _data_ptr(out) == _data_ptr(send) + self.rank * out.nbytes:
-            return
+        start, offset = data_ptr(send), data_ptr(out)
+        if offset == start + self.rank * out.nbytes:
+            return  # exactly this rank's rows: in place
+        if offset + out.nbytes <= start or start + send.nbytes <= offset:
+            return  # the same allocation, but no overlap
         raise ValueError(
             "reduce_scatter: out overlaps send elsewhere than this rank's rows; expected out to "
             f"be send[{self.rank}*m:({self.rank}+1)*m] (in place) or separate memory")
@@ -568,14 +571,7 @@ class Communicator(ABC):
     def _sync(self, run: Callable[[], Any], api: str = "collective") -> Any:
         if not self._worker.idle():  # queued async work goes first, in order
             return self._submit(run, api).wait()
-        watchdog = self._watchdog
-        if watchdog is None:
-            return run()
-        watchdog.enter(api)
-        try:
-            return run()
-        finally:
-            watchdog.leave()
+        return self._watched(run, api)()
 
     def _submit(self, run: Callable[[], Any], api: str = "collective") -> Handle:
         return self._worker.submit(self._watched(run, api))
@@ -657,9 +653,11 @@ class Communicator(ABC):
         """Release backend resources (called once by close())."""
 
 
-def _data_ptr(arr: Any) -> int:
-    """Return the address of an array's first element (numpy or CuPy)."""
-    return arr.data.ptr if hasattr(arr.data, "ptr") else arr.__array_interface__["data"][0]
+def _owner(arr: Any) -> Any:
+    """Return the array that owns ``arr``'s memory (numpy and CuPy point views at it)."""
+    while arr.base is not None:
+        arr = arr.base
+    return arr
 
 
 def _flat_pair(send: Any, out: Any) -> tuple[Any, Any]:

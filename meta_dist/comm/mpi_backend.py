@@ -25,28 +25,20 @@ from mpi4py import MPI
 
 from meta_dist.comm.base import Communicator
 from meta_dist.comm.mpi_lists import ListAllreduce
+from meta_dist.comm.mpi_ops import MPI_OPS, NUMPY_REDUCED_DTYPES, UFUNCS
 from meta_dist.comm.staging import HostStaging, staged
 from meta_dist.connector import MPIConnector
-from meta_dist.xp import gpu_count, select_device
+from meta_dist.xp import data_ptr, gpu_count, select_device
 
-MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
-UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 # Where the pairwise exchange starts to beat the library (2 ranks, Open MPI 5 wheel, measured
 # with scripts/distributed/bench_collectives.py): allreduce crosses over near 8 MiB, since the
 # library's allreduce is fast until its per-call scratch allocation dominates;
 # reduce_scatter_block already loses at 1 MiB.
 PAIRWISE_MIN_BYTES = {"allreduce": 8 * 2**20, "reduce_scatter": 512 * 1024}
-# Open MPI 5.0's MPI_SUM on MPI_UNSIGNED_CHAR saturates at 255 (seen with the PyPI wheel) where
-# numpy and C wrap modulo 256; these dtypes are always reduced by numpy in the pairwise path.
-NUMPY_REDUCED_DTYPES = (np.dtype(np.uint8),)
 SEGMENT_BYTES = 512 * 1024
 # Fused lists reduced in place move without fusion copies from this total size; below it one
 # library call on a packed buffer has the lower latency.
 ZERO_COPY_MIN_BYTES = 256 * 1024
-
-
-def _ptr(arr: np.ndarray) -> int:
-    return arr.__array_interface__["data"][0]
 
 
 class MpiCommunicator(Communicator):
@@ -112,7 +104,7 @@ class MpiCommunicator(Communicator):
                 recv[...] = send
             return
         if self._library_reduces(send, "reduce_scatter"):
-            if _ptr(recv) == _ptr(send) + self.rank * recv.nbytes:
+            if data_ptr(recv) == data_ptr(send) + self.rank * recv.nbytes:
                 # MPI_IN_PLACE would overwrite rows 0..m of send; go through scratch instead
                 scratch = self._scratch_buffer(recv.dtype, recv.size)[: recv.size]
                 self._comm.Reduce_scatter_block(send, scratch, op=MPI_OPS[op])
@@ -126,10 +118,10 @@ class MpiCommunicator(Communicator):
     @staged("allgather")
     def _allgather(self, send: np.ndarray, recv: np.ndarray) -> None:
         if self.size == 1:
-            if _ptr(recv) != _ptr(send):
+            if data_ptr(recv) != data_ptr(send):
                 recv[...] = send
             return
-        in_place = _ptr(send) == _ptr(recv) + self.rank * send.nbytes
+        in_place = data_ptr(send) == data_ptr(recv) + self.rank * send.nbytes
         self._comm.Allgather(MPI.IN_PLACE if in_place else send, recv)
 
     @staged("broadcast")
@@ -204,7 +196,7 @@ class MpiCommunicator(Communicator):
         lo, hi = bounds[rank], bounds[rank + 1]
         mine = recv[lo:hi] if gather else recv
         own = send[lo:hi]
-        if _ptr(mine) != _ptr(own):
+        if data_ptr(mine) != data_ptr(own):
             mine[...] = own
         seg = max(1, self.segment_bytes // send.itemsize)
         longest = max(bounds[r + 1] - bounds[r] for r in range(size))

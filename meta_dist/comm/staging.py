@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from meta_dist.xp import is_cupy_array
+from meta_dist.comm.mpi_ops import MPI_OPS, NUMPY_REDUCED_DTYPES
+from meta_dist.xp import data_ptr, is_cupy_array
 
 ENV_CUDA_AWARE = "META_DIST_CUDA_AWARE_MPI"
 # kind -> (argument indices the primitive reads, indices it writes)
@@ -29,10 +30,6 @@ ROLES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "allreduce": ((0,), (1,)), "reduce_scatter": ((0,), (1,)), "allgather": ((0,), (1,)),
     "broadcast": ((0,), (0,)), "reduce": ((0,), (1,)), "send": ((0,), ()), "recv": ((), (0,)),
 }
-_MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
-# Open MPI's MPI_SUM on uint8 saturates where numpy wraps: those reductions are always staged
-# so the MPI backend's numpy path reduces them.
-_NUMPY_REDUCED_DTYPES = (np.dtype(np.uint8),)
 _REDUCING = ("allreduce", "reduce_scatter", "reduce")
 _MPI_LIBRARY = re.compile(r"^libmpi(ch)?[\w.-]*\.so")
 
@@ -91,18 +88,18 @@ def library_call(comm: MPI.Comm, kind: str, args: Sequence[Any]) -> None:
     rank = comm.Get_rank()
     if kind == "allreduce":
         send, recv, op = args
-        comm.Allreduce(MPI.IN_PLACE if recv is send else send, recv, op=_MPI_OPS[op])
+        comm.Allreduce(MPI.IN_PLACE if recv is send else send, recv, op=MPI_OPS[op])
     elif kind == "reduce_scatter":
         send, recv, op = args
-        if _ptr(send) <= _ptr(recv) < _ptr(send) + send.nbytes:
+        if data_ptr(send) <= data_ptr(recv) < data_ptr(send) + send.nbytes:
             scratch = _module(recv).empty_like(recv)
-            comm.Reduce_scatter_block(send, scratch, op=_MPI_OPS[op])
+            comm.Reduce_scatter_block(send, scratch, op=MPI_OPS[op])
             recv[...] = scratch
         else:
-            comm.Reduce_scatter_block(send, recv, op=_MPI_OPS[op])
+            comm.Reduce_scatter_block(send, recv, op=MPI_OPS[op])
     elif kind == "allgather":
         send, recv = args
-        in_place = _ptr(send) == _ptr(recv) + rank * send.nbytes
+        in_place = data_ptr(send) == data_ptr(recv) + rank * send.nbytes
         comm.Allgather(MPI.IN_PLACE if in_place else send, recv)
     elif kind == "broadcast":
         buf, root = args
@@ -110,9 +107,9 @@ def library_call(comm: MPI.Comm, kind: str, args: Sequence[Any]) -> None:
     elif kind == "reduce":
         send, recv, op, root = args
         if rank == root:
-            comm.Reduce(MPI.IN_PLACE if recv is send else send, recv, op=_MPI_OPS[op], root=root)
+            comm.Reduce(MPI.IN_PLACE if recv is send else send, recv, op=MPI_OPS[op], root=root)
         else:
-            comm.Reduce(send, None, op=_MPI_OPS[op], root=root)
+            comm.Reduce(send, None, op=MPI_OPS[op], root=root)
     elif kind == "send":
         buf, peer = args
         comm.Send(buf, dest=peer)
@@ -168,7 +165,7 @@ class HostStaging:
         """Run primitive ``fn(*args)`` of ``kind`` (a key of ROLES) on device or forced arrays."""
         reads, writes = ROLES[kind]
         arrays = [a for a in args if _is_array(a)]
-        numpy_reduced = kind in _REDUCING and arrays[0].dtype in _NUMPY_REDUCED_DTYPES
+        numpy_reduced = kind in _REDUCING and arrays[0].dtype in NUMPY_REDUCED_DTYPES
         if self.cuda_aware and not numpy_reduced:
             for a in arrays:
                 if is_cupy_array(a):  # mpi4py cannot order MPI after pending kernels
@@ -284,10 +281,6 @@ def _is_array(a: Any) -> bool:
 
 def _module(a: Any) -> Any:
     return _cupy() if is_cupy_array(a) else np
-
-
-def _ptr(a: Any) -> int:
-    return a.data.ptr if is_cupy_array(a) else a.__array_interface__["data"][0]
 
 
 def _pinned_empty(numel: int, dtype: np.dtype) -> np.ndarray:

@@ -92,14 +92,18 @@ class ZeroStage:
 
     def step(self) -> None:
         """Finish the gradient reduction, update this rank's part, and share the result."""
+        self._finish_reduction()
+        params = [self.flat.flat_params[s] for s in self.owned_slices()]
+        self.optimizer.step(params, self._local_grads())
+        self._after_update()
+
+    def _finish_reduction(self) -> None:
+        """Wait for the buckets reduced during backward (without overlap: reduce them now)."""
         if not self.overlap:  # buckets only serve overlap: reduce the whole buffer at once
             self.comm.allreduce(self.flat_grads, "avg", out=self.flat_grads)
         for handle in self._pending:
             handle.wait()
         self._pending.clear()
-        params = [self.flat.flat_params[s] for s in self.owned_slices()]
-        self.optimizer.step(params, self._local_grads())
-        self._after_update()
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds: params, grads (kept between steps), optimizer state, buffers."""
@@ -201,15 +205,12 @@ class ZeroStage2(ZeroStage1):
         self.comm.reduce_scatter(send, "avg", out=self._grad_shard(bucket))
         return None
 
-    def step(self) -> None:
-        """Wait for the last buckets' reduce-scatter, update my shard, gather the params."""
+    def _finish_reduction(self) -> None:
+        """Wait for the last buckets' reduce-scatter (each was started as backward filled it)."""
         for which, handle in enumerate(self._staging_busy):
             if handle is not None:
                 handle.wait()
                 self._staging_busy[which] = None
-        params = [self.flat.flat_params[s] for s in self.owned_slices()]
-        self.optimizer.step(params, self._local_grads())
-        self._after_update()
 
     def memory_report(self) -> dict[str, int]:
         """See ``ZeroStage.memory_report``; ``buffers`` are the staging buffers."""

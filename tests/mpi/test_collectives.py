@@ -109,6 +109,11 @@ def test_reduce_scatter_rows(comm):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_allgather(comm, dtype):
+    check_allgather(comm, dtype)
+
+
+def check_allgather(comm, dtype):
+    """Out of place and in place (send = out[rank*m:(rank+1)*m]) against np.concatenate."""
     for m in (1, 3, 20001):
         inputs = [rank_input(m, r, (m, 2), dtype) for r in range(comm.size)]
         np.testing.assert_array_equal(comm.allgather(inputs[comm.rank]), np.concatenate(inputs))

@@ -11,7 +11,14 @@ import sys
 import numpy as np
 import pytest
 from conftest import same_on_every_rank
-from test_collectives import DTYPES, OPS, assert_matches, rank_input, reference
+from test_collectives import (
+    DTYPES,
+    OPS,
+    assert_matches,
+    check_allgather,
+    rank_input,
+    reference,
+)
 
 from meta_dist.comm.mpi_backend import MpiCommunicator
 from meta_dist.comm.staging import (
@@ -100,14 +107,7 @@ def test_reduce_scatter(scomm, comm, dtype, op):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_allgather(scomm, dtype):
-    for m in (1, 3, 20001):
-        inputs = [rank_input(m, r, (m, 2), dtype) for r in range(scomm.size)]
-        np.testing.assert_array_equal(scomm.allgather(inputs[scomm.rank]), np.concatenate(inputs))
-        out = np.zeros((m * scomm.size, 2), dtype)
-        rows = slice(scomm.rank * m, (scomm.rank + 1) * m)
-        out[rows] = inputs[scomm.rank]
-        scomm.allgather(out[rows], out=out)  # in place: send = recv + rank*m
-        np.testing.assert_array_equal(out, np.concatenate(inputs))
+    check_allgather(scomm, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
