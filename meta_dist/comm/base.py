@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from mpi4py import MPI
 
 from meta_dist.comm.consistency import ConsistencyCheck, StallWatchdog, shape_code
 from meta_dist.comm.worker import Handle, OrderedWorker
@@ -25,6 +26,11 @@ REDUCE_OPS = ("sum", "avg", "max", "min", "prod")
 SCATTER_OPS = ("sum", "avg")
 DTYPES = tuple(np.dtype(d) for d in ("float16", "float32", "float64", "int32", "int64", "uint8"))
 _DTYPE_SET = frozenset(DTYPES)
+# (op, dtype) pairs a reduction accepts: "avg" needs a floating dtype
+_REDUCIBLE = frozenset((op, d) for op in REDUCE_OPS for d in DTYPES if op != "avg" or d.kind == "f")
+_SCATTERABLE = frozenset(pair for pair in _REDUCIBLE if pair[0] in SCATTER_OPS)
+_MOVABLE = frozenset(("", d) for d in DTYPES)  # operations without an op: any dtype
+_OP_CODES = {op: i for i, op in enumerate((*REDUCE_OPS, ""))}
 DEFAULT_STALL_TIMEOUT_S = 300.0
 
 
@@ -99,6 +105,11 @@ class Communicator(ABC):
         Returns:
             The reduced array (or list of arrays), which is ``out`` when given.
         """
+        if out is send and self._host_ready(send, op, _REDUCIBLE) and send.flags.writeable:
+            flat = _flat(send)
+            self._run_host("allreduce", send, op, -1, self._allreduce, flat, flat, op)
+            self._average((send,), op)
+            return send
         return self._sync(self._allreduce_plan(send, op, out), "allreduce")
 
     def allreduce_async(self, send: Any, op: str = "sum", *, out: Any = None) -> Handle:
@@ -122,6 +133,13 @@ class Communicator(ABC):
         Returns:
             This rank's part (or a list of parts).
         """
+        if (type(out) is np.ndarray and self._host_ready(send, op, _SCATTERABLE) and send.ndim
+                and not send.shape[0] % self.size and self._host_out(out, send, _scatter_shape)):
+            self._check_scatter_alias(send, out)
+            self._run_host("reduce_scatter", send, op, -1, self._reduce_scatter, _flat(send),
+                           _flat(out), op)
+            self._average((out,), op)
+            return out
         return self._sync(self._reduce_scatter_plan(send, op, out), "reduce_scatter")
 
     def reduce_scatter_async(self, send: Any, op: str = "sum", *, out: Any = None) -> Handle:
@@ -141,6 +159,10 @@ class Communicator(ABC):
         Returns:
             The gathered array (or list of arrays).
         """
+        if (type(out) is np.ndarray and self._host_ready(send, "", _MOVABLE) and send.ndim
+                and self._host_out(out, send, _gather_shape)):
+            self._run_host("allgather", send, "", -1, self._allgather, _flat(send), _flat(out))
+            return out
         return self._sync(self._allgather_plan(send, out), "allgather")
 
     def allgather_async(self, send: Any, *, out: Any = None) -> Handle:
@@ -161,6 +183,10 @@ class Communicator(ABC):
         Returns:
             Root's array (or list), which is ``out`` when given.
         """
+        if out is buf and self._host_ready(buf, "", _MOVABLE) and buf.flags.writeable:
+            self._check_rank("broadcast", "root", root)
+            self._run_host("broadcast", buf, "", root, self._broadcast, _flat(buf), root)
+            return buf
         return self._sync(self._broadcast_plan(buf, root, out), "broadcast")
 
     def broadcast_async(self, buf: Any, root: int = 0, *, out: Any = None) -> Handle:
@@ -263,7 +289,7 @@ class Communicator(ABC):
                     f"size is {self.size}; expected a multiple of {self.size}; pad axis 0 "
                     "(meta_dist.zero.partition.padded_size) or use allreduce"
                 )
-        shapes = [(s.shape[0] // self.size, *s.shape[1:]) for s in sends]
+        shapes = [_scatter_shape(s.shape, self.size) for s in sends]
         outs = self._outputs("reduce_scatter", out, shapes, sends, is_list)
         if not is_list:
             self._check_scatter_alias(sends[0], outs[0])
@@ -290,7 +316,7 @@ class Communicator(ABC):
         for s in sends:
             if s.ndim == 0:
                 raise ValueError("allgather: send is 0-d; expected an array with axis 0")
-        shapes = [(s.shape[0] * self.size, *s.shape[1:]) for s in sends]
+        shapes = [_gather_shape(s.shape, self.size) for s in sends]
         outs = self._outputs("allgather", out, shapes, sends, is_list)
 
         def run() -> Any:
@@ -458,8 +484,12 @@ class Communicator(ABC):
         if out is None:
             xp = array_module(like[0])
             return [xp.empty(shape, like[0].dtype) for shape in shapes]
-        if out is like[0] and not is_list and getattr(out.flags, "writeable", True):
-            return [out]  # in place: already checked as an input
+        if not is_list and type(out) is np.ndarray and type(like[0]) is np.ndarray:  # common
+            if out is like[0] and out.flags.writeable:
+                return [out]  # in place: already checked as an input
+            if (out.shape == shapes[0] and out.dtype == like[0].dtype
+                    and out.flags.c_contiguous and out.flags.writeable):
+                return [out]
         if (is_list and isinstance(out, (list, tuple)) and len(out) == len(like)
                 and all(o is a and getattr(o.flags, "writeable", True)
                         for o, a in zip(out, like, strict=True))):
@@ -497,7 +527,7 @@ class Communicator(ABC):
         """In place means exactly this rank's rows of ``send``; any other overlap is refused."""
         if _owner(send) is not _owner(out):  # separate allocations cannot overlap: ~0.2 µs
             return
-        start, offset = data_ptr(send), data_ptr(out)
+        start, offset = address(send), address(out)
         if offset == start + self.rank * out.nbytes:
             return  # exactly this rank's rows: in place
         if offset + out.nbytes <= start or start + send.nbytes <= offset:
@@ -564,14 +594,51 @@ class Communicator(ABC):
     def _fingerprint(self, api: str, arrays: list[Any], op: str = "", root: int = -1) -> None:
         """Raise ValueError on every rank if the ranks called different collectives or shapes."""
         if self.size > 1 and self.check:
-            self._consistency.verify(api, arrays, DTYPES, (REDUCE_OPS + ("",)).index(op), root)
+            self._consistency.verify(api, arrays, DTYPES, _OP_CODES[op], root)
 
     # ---------------------------------------------------------------- running now or on the worker
+
+    # The fast path: one numpy array that the general plan would accept unchanged goes
+    # straight to the primitive (the checks below, then _run_host). Anything else, errors
+    # included, takes the general way. It saves about 3 µs a call, most of meta_dist's cost
+    # over the library at 4 KiB.
+
+    def _host_ready(self, arr: Any, op: str, allowed: frozenset) -> bool:
+        """Return True for a contiguous numpy input whose (op, dtype) is allowed, run now."""
+        return (type(arr) is np.ndarray and (op, arr.dtype) in allowed
+                and arr.flags.c_contiguous and not self.closed and self._worker.idle())
+
+    def _host_out(self, out: np.ndarray, send: np.ndarray,
+                  shape_of: Callable[[tuple[int, ...], int], tuple[int, ...]]) -> bool:
+        """Return True for a writeable, contiguous numpy ``out`` of the shape and dtype due."""
+        return (out.dtype == send.dtype and out.shape == shape_of(send.shape, self.size)
+                and out.flags.c_contiguous and out.flags.writeable)
+
+    def _run_host(self, api: str, arr: np.ndarray, op: str, root: int,
+                  primitive: Callable[..., None], *args: Any) -> None:
+        """Run ``primitive(*args)`` now, checked and watched as ``_sync`` would."""
+        self._check_arrays(api, [arr])  # the backend may refuse host arrays (NCCL does)
+        watchdog = self._watchdog
+        if watchdog is not None:
+            watchdog.enter(api)
+        try:
+            self._fingerprint(api, (arr,), op, root)
+            primitive(*args)
+        finally:
+            if watchdog is not None:
+                watchdog.leave()
 
     def _sync(self, run: Callable[[], Any], api: str = "collective") -> Any:
         if not self._worker.idle():  # queued async work goes first, in order
             return self._submit(run, api).wait()
-        return self._watched(run, api)()
+        watchdog = self._watchdog
+        if watchdog is None:
+            return run()
+        watchdog.enter(api)  # as _watched, without a closure: this is every blocking call
+        try:
+            return run()
+        finally:
+            watchdog.leave()
 
     def _submit(self, run: Callable[[], Any], api: str = "collective") -> Handle:
         return self._worker.submit(self._watched(run, api))
@@ -653,6 +720,17 @@ class Communicator(ABC):
         """Release backend resources (called once by close())."""
 
 
+def address(arr: Any) -> int:
+    """Return the address of a contiguous array's first element (numpy or CuPy).
+
+    For numpy, MPI.Get_address takes 0.2 µs where ``__array_interface__`` (xp.data_ptr) takes
+    2 µs, which matters on the small-message path.
+    """
+    if type(arr) is np.ndarray:
+        return MPI.Get_address(arr)
+    return data_ptr(arr)
+
+
 def _owner(arr: Any) -> Any:
     """Return the array that owns ``arr``'s memory (numpy and CuPy point views at it)."""
     while arr.base is not None:
@@ -668,4 +746,14 @@ def _flat_pair(send: Any, out: Any) -> tuple[Any, Any]:
 
 def _flat(arr: Any) -> Any:
     """Return a 1-D view of a contiguous array (no copy)."""
-    return arr.reshape(-1)
+    return arr if arr.ndim == 1 else arr.reshape(-1)
+
+
+def _scatter_shape(shape: tuple[int, ...], size: int) -> tuple[int, ...]:
+    """Return the shape of one rank's part of a reduce_scatter of ``shape``."""
+    return (shape[0] // size, *shape[1:])
+
+
+def _gather_shape(shape: tuple[int, ...], size: int) -> tuple[int, ...]:
+    """Return the shape of an allgather of ``shape`` from ``size`` ranks."""
+    return (shape[0] * size, *shape[1:])

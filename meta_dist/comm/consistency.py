@@ -48,8 +48,9 @@ class ConsistencyCheck:
 
     def __init__(self, comm: MPI.Comm) -> None:
         self.comm = comm
-        self._codes: dict[tuple, int] = {}
-        self._pair = np.empty(2, np.int64)
+        # call key -> (the pair (h, -h) to send, its bytes: what comes back when all agree)
+        self._pairs: dict[tuple, tuple[np.ndarray, bytes]] = {}
+        self._result = np.empty(2, np.int64)
 
     def verify(self, api: str, arrays: list[Any], dtypes: Sequence[np.dtype],
                op_code: int, root: int) -> None:
@@ -58,20 +59,19 @@ class ConsistencyCheck:
         Collective: every rank calls it with its own arguments.
         """
         first = arrays[0]
-        key = (api, op_code, root, first.dtype.char, type(first),
-               tuple(a.shape for a in arrays))
-        code = self._codes.get(key)
-        if code is None:
-            if len(self._codes) > 4096:  # shapes that vary every call: keep the cache bounded
-                self._codes.clear()
+        shapes = (first.shape,) if len(arrays) == 1 else tuple([a.shape for a in arrays])
+        key = (api, op_code, root, first.dtype.char, type(first), shapes)
+        entry = self._pairs.get(key)
+        if entry is None:
+            if len(self._pairs) > 4096:  # shapes that vary every call: keep the cache bounded
+                self._pairs.clear()
             code = shape_code([(KINDS.index(api), op_code, root, dtypes.index(first.dtype),
-                                int(is_cupy_array(first)))] + list(key[-1]))
-            self._codes[key] = code
-        pair = self._pair
-        pair[0], pair[1] = code, -code
-        self.comm.Allreduce(MPI.IN_PLACE, pair, op=MPI.MAX)
-        high, minus_low = pair.tolist()
-        if high == -minus_low:
+                                int(is_cupy_array(first)))] + list(shapes))
+            pair = np.array([code, -code], np.int64)
+            entry = self._pairs[key] = (pair, pair.tobytes())
+        result = self._result
+        self.comm.Allreduce(entry[0], result, op=MPI.MAX)
+        if result.tobytes() == entry[1]:  # max(h) == h and min(h) == h: every rank agrees
             return
         kind = "cupy " if is_cupy_array(first) else ""
         described = f"{api} of {', '.join(f'{kind}{a.dtype} {tuple(a.shape)}' for a in arrays)}"

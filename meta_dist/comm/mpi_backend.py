@@ -23,12 +23,12 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from meta_dist.comm.base import Communicator
+from meta_dist.comm.base import Communicator, address
 from meta_dist.comm.mpi_lists import ListAllreduce
 from meta_dist.comm.mpi_ops import MPI_OPS, NUMPY_REDUCED_DTYPES, UFUNCS
 from meta_dist.comm.staging import HostStaging, staged
 from meta_dist.connector import MPIConnector
-from meta_dist.xp import data_ptr, gpu_count, select_device
+from meta_dist.xp import gpu_count, select_device
 
 # Where the pairwise exchange starts to beat the library (2 ranks, Open MPI 5 wheel, measured
 # with scripts/distributed/bench_collectives.py): allreduce crosses over near 8 MiB, since the
@@ -104,7 +104,7 @@ class MpiCommunicator(Communicator):
                 recv[...] = send
             return
         if self._library_reduces(send, "reduce_scatter"):
-            if data_ptr(recv) == data_ptr(send) + self.rank * recv.nbytes:
+            if address(recv) == address(send) + self.rank * recv.nbytes:
                 # MPI_IN_PLACE would overwrite rows 0..m of send; go through scratch instead
                 scratch = self._scratch_buffer(recv.dtype, recv.size)[: recv.size]
                 self._comm.Reduce_scatter_block(send, scratch, op=MPI_OPS[op])
@@ -118,10 +118,10 @@ class MpiCommunicator(Communicator):
     @staged("allgather")
     def _allgather(self, send: np.ndarray, recv: np.ndarray) -> None:
         if self.size == 1:
-            if data_ptr(recv) != data_ptr(send):
+            if address(recv) != address(send):
                 recv[...] = send
             return
-        in_place = data_ptr(send) == data_ptr(recv) + self.rank * send.nbytes
+        in_place = address(send) == address(recv) + self.rank * send.nbytes
         self._comm.Allgather(MPI.IN_PLACE if in_place else send, recv)
 
     @staged("broadcast")
@@ -196,7 +196,7 @@ class MpiCommunicator(Communicator):
         lo, hi = bounds[rank], bounds[rank + 1]
         mine = recv[lo:hi] if gather else recv
         own = send[lo:hi]
-        if data_ptr(mine) != data_ptr(own):
+        if address(mine) != address(own):
             mine[...] = own
         seg = max(1, self.segment_bytes // send.itemsize)
         longest = max(bounds[r + 1] - bounds[r] for r in range(size))

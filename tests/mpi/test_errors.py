@@ -32,6 +32,26 @@ def test_mismatched_dtype_and_collective(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_mismatch_is_caught_on_the_fast_paths_too(comm):
+    """One numpy array in place or with out= skips the general plan; the check still runs."""
+    r, n = comm.rank, comm.size
+    x = np.arange(3.0 + r)
+    with pytest.raises(ValueError, match=r"rank 0: allreduce of float64 \(3,\)"):
+        comm.allreduce(x, out=x)
+    np.testing.assert_array_equal(x, np.arange(3.0 + r))  # nothing moved
+    send = np.ones(n * (2 + r))
+    with pytest.raises(ValueError, match="rank 1: reduce_scatter of float64"):
+        comm.reduce_scatter(send, out=np.empty(2 + r))
+    with pytest.raises(ValueError, match="rank 1: allgather of float64"):
+        comm.allgather(send[: 2 + r], out=np.empty(n * (2 + r)))
+    y = np.full(4, float(r))
+    with pytest.raises(ValueError, match="called different collectives"):
+        comm.broadcast(y, root=r % 2, out=y)  # rank 0 says root 0, rank 1 root 1
+    np.testing.assert_array_equal(y, np.full(4, float(r)))
+    np.testing.assert_array_equal(comm.allreduce(y, out=y), np.full(4, n * (n - 1) / 2))
+
+
+@pytest.mark.mpi(min_size=2)
 def test_recv_of_wrong_shape_raises_and_drains(comm):
     if comm.rank == 0:
         comm.send(np.ones(8, np.float32), peer=1)
@@ -108,6 +128,12 @@ def test_backend_array_check_runs_on_every_path(connector):
             c.allreduce([np.ones(2)] * 3)
         with pytest.raises(TypeError, match="allgather: refused 1 array"):
             c.allgather(np.ones(2, np.float32))
+        x = np.ones(2 * c.size)  # the single-array fast paths (in place, or out given)
+        for call in (lambda: c.allreduce(x, out=x), lambda: c.broadcast(x, out=x),
+                     lambda: c.reduce_scatter(x, out=np.empty(2)),
+                     lambda: c.allgather(x[:2], out=np.empty(2 * c.size))):
+            with pytest.raises(TypeError, match="refused 1 array"):
+                call()
     finally:
         c.close()
 
