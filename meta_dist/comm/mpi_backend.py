@@ -69,7 +69,7 @@ class MpiCommunicator(Communicator):
         self.pairwise_min_bytes = {**PAIRWISE_MIN_BYTES, **(pairwise_min_bytes or {})}
         self.segment_bytes = segment_bytes
         self._scratch: dict[np.dtype, np.ndarray] = {}
-        self._lists = ListAllreduce(self._comm, UFUNCS, self._scratch_buffer)
+        self._lists = ListAllreduce(self._comm, UFUNCS)
 
     def _async_p2p_problem(self, arrays: Any) -> str | None:
         first = arrays[0] if isinstance(arrays, (list, tuple)) and arrays else arrays

@@ -16,9 +16,9 @@ recycled ``id`` from the same one.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -33,25 +33,32 @@ class ListPlan:
         arrays: C-contiguous numpy arrays of one dtype.
         bounds: size+1 boundaries of the chunks in the virtual concatenation.
         rank: this rank.
+        got: the receive buffer (at least this rank's chunk long); the plan keeps views of it.
     """
 
-    def __init__(self, arrays: list[np.ndarray], bounds: list[int], rank: int) -> None:
+    def __init__(self, arrays: list[np.ndarray], bounds: list[int], rank: int,
+                 got: np.ndarray) -> None:
         self.refs = [weakref.ref(a) for a in arrays]
-        basic = MPI._typedict[arrays[0].dtype.char]
-        itemsize = arrays[0].itemsize
+        self.got = got
         self.types: list[MPI.Datatype] = []
-        # my chunk as (array index, first, last, offset in chunk): indices, not views, so the
-        # cache never keeps the caller's arrays alive
-        self.mine: list[tuple[int, int, int, int]] = []
+        # This rank's chunk as indices, never views of the caller's arrays (the cache must not
+        # keep them alive): arrays whole_lo..whole_hi lie wholly in it, each added from the
+        # matching view in whole_gots; the (at most two) arrays cut by its edges are in
+        # partial as (array index, first, last, view of got).
+        self.whole_lo = self.whole_hi = 0
+        self.whole_gots: list[np.ndarray] = []
+        self.partial: list[tuple[int, int, int, np.ndarray]] = []
         starts = np.cumsum([0] + [a.size for a in arrays[:-1]]).tolist()
         try:
-            self._build(arrays, bounds, rank, starts, basic, itemsize)
+            self._build(arrays, bounds, rank, starts)
         except BaseException:
             self.free()  # the datatypes made before the failure
             raise
 
-    def _build(self, arrays: list[np.ndarray], bounds: list[int], rank: int, starts: list[int],
-               basic: MPI.Datatype, itemsize: int) -> None:
+    def _build(self, arrays: list[np.ndarray], bounds: list[int], rank: int,
+               starts: list[int]) -> None:
+        basic = MPI._typedict[arrays[0].dtype.char]
+        itemsize = arrays[0].itemsize
         for r in range(len(bounds) - 1):
             lo, hi = bounds[r], bounds[r + 1]
             lengths, addresses = [], []
@@ -62,15 +69,36 @@ class ListPlan:
                 lengths.append(last - first)
                 addresses.append(MPI.Get_address(a) + (first - start) * itemsize)
                 if r == rank:
-                    self.mine.append((i, first - start, last - start, first - lo))
+                    self._add_piece(i, first - start, last - start, a.size, first - lo)
             datatype = basic.Create_hindexed(lengths, addresses)
             datatype.Commit()
             self.types.append(datatype)
 
+    def _add_piece(self, i: int, first: int, last: int, numel: int, offset: int) -> None:
+        view = self.got[offset : offset + last - first]
+        if first == 0 and last == numel and (not self.whole_gots or self.whole_hi == i):
+            if not self.whole_gots:
+                self.whole_lo = i
+            self.whole_gots.append(view)
+            self.whole_hi = i + 1
+        else:
+            self.partial.append((i, first, last, view))
+
     def holds(self, arrays: list[np.ndarray]) -> bool:
         """Return True if this plan was built for exactly these array objects."""
         return len(arrays) == len(self.refs) and all(
-            ref() is a for ref, a in zip(self.refs, arrays, strict=True))
+            map(operator.is_, map(weakref.ref.__call__, self.refs), arrays))
+
+    def add_into(self, arrays: list[np.ndarray], ufunc: np.ufunc) -> None:
+        """Reduce what ``got`` holds into this rank's pieces of ``arrays``, in place."""
+        for a, g in zip(arrays[self.whole_lo : self.whole_hi], self.whole_gots, strict=True):
+            if a.ndim != 1:
+                a = a.reshape(-1)
+            ufunc(a, g, out=a)
+        for i, first, last, g in self.partial:
+            a = arrays[i]
+            piece = (a if a.ndim == 1 else a.reshape(-1))[first:last]
+            ufunc(piece, g, out=piece)
 
     def free(self) -> None:
         """Free the MPI datatypes."""
@@ -85,28 +113,23 @@ class ListAllreduce:
     Args:
         comm: the backend's MPI communicator.
         ufuncs: op name -> numpy ufunc used for the reduction.
-        scratch: returns a reused buffer of a dtype and length.
     """
 
-    def __init__(self, comm: MPI.Comm, ufuncs: dict[str, np.ufunc],
-                 scratch: Callable[[np.dtype, int], np.ndarray]) -> None:
-        self.comm, self.ufuncs, self.scratch = comm, ufuncs, scratch
+    def __init__(self, comm: MPI.Comm, ufuncs: dict[str, np.ufunc]) -> None:
+        self.comm, self.ufuncs = comm, ufuncs
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self._plans: OrderedDict[tuple[int, ...], ListPlan] = OrderedDict()
+        self._got: dict[np.dtype, np.ndarray] = {}  # receive buffers, shared by the plans
 
     def run(self, arrays: list[np.ndarray], bounds: list[int], op: str) -> None:
         """Reduce ``arrays`` in place across ranks; every rank ends with the same values."""
         plan = self._plan(arrays, bounds)
         rank, size, ufunc = self.rank, self.size, self.ufuncs[op]
-        got = self.scratch(arrays[0].dtype, bounds[rank + 1] - bounds[rank])
         for k in range(1, size):  # reduce-scatter: my chunk gathers every rank's part
             to, frm = (rank + k) % size, (rank - k) % size
             self.comm.Sendrecv([MPI.BOTTOM, 1, plan.types[to]], dest=to,
-                               recvbuf=got, source=frm)
-            for i, first, last, offset in plan.mine:
-                a = arrays[i]
-                piece = (a if a.ndim == 1 else a.reshape(-1))[first:last]
-                ufunc(piece, got[offset : offset + last - first], out=piece)
+                               recvbuf=plan.got, source=frm)
+            plan.add_into(arrays, ufunc)
         for k in range(1, size):  # allgather: my reduced chunk to everyone, theirs to me
             to, frm = (rank + k) % size, (rank - k) % size
             self.comm.Sendrecv([MPI.BOTTOM, 1, plan.types[rank]], dest=to,
@@ -119,14 +142,26 @@ class ListAllreduce:
             self._plans.move_to_end(key)
             return plan
         if plan is not None:
+            del self._plans[key]
             plan.free()
-        plan = self._plans[key] = ListPlan(arrays, bounds, self.rank)
+        plan = self._plans[key] = ListPlan(arrays, bounds, self.rank,
+                                           self._receive_buffer(arrays[0].dtype, bounds))
         while len(self._plans) > CACHED_LISTS:
             self._plans.popitem(last=False)[1].free()
         return plan
 
+    def _receive_buffer(self, dtype: np.dtype, bounds: list[int]) -> np.ndarray:
+        """Return the shared receive buffer, sized for this rank's chunk (plans view it)."""
+        numel = bounds[self.rank + 1] - bounds[self.rank]
+        got = self._got.get(dtype)
+        if got is None or got.size < numel:
+            self.clear()  # the cached plans view the old buffer; build them again
+            got = self._got[dtype] = np.empty(numel, dtype)
+        return got[:numel]
+
     def clear(self) -> None:
-        """Free every cached datatype."""
+        """Free every cached datatype and receive buffer."""
         for plan in self._plans.values():
             plan.free()
         self._plans.clear()
+        self._got.clear()
