@@ -21,6 +21,7 @@ from meta_dist.distributed import (
     send,
     shutdown,
 )
+from meta_dist.xp import contiguous_arrays
 
 __version__ = "0.1.0"
 
@@ -33,6 +34,7 @@ __all__ = [
     "allreduce_async",
     "barrier",
     "broadcast",
+    "contiguous_arrays",
     "distributed",
     "get_context",
     "init",

@@ -80,3 +80,26 @@ def select_device(local_rank: int) -> int:
     device = local_rank % count
     cupy.cuda.Device(device).use()
     return device
+
+
+def contiguous_arrays(shapes: list[tuple[int, ...]], dtype: object,
+                      xp: types.ModuleType = np) -> list:
+    """Return zeroed arrays of ``shapes`` laid out back to back in one buffer, in order.
+
+    A fused collective on such a list (in place) moves the buffer itself, with no fusion copy:
+    the layout DDP's gradient_as_bucket_view and DeepSpeed's contiguous gradients use. Each
+    array is an ordinary C-contiguous view of the buffer.
+
+    Args:
+        shapes: the arrays' shapes.
+        dtype: their one dtype.
+        xp: numpy (host arrays) or cupy (device arrays).
+    """
+    numels = [int(np.prod(shape, dtype=np.int64)) for shape in shapes]
+    buffer = xp.zeros(sum(numels), dtype)
+    arrays, start = [], 0
+    for shape, numel in zip(shapes, numels, strict=True):
+        arrays.append(buffer[start : start + numel].reshape(shape))
+        start += numel
+    return arrays
+

@@ -9,6 +9,7 @@ backend implements only the ``_allreduce``-style primitives on flat, contiguous 
 
 from __future__ import annotations
 
+import operator
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -44,11 +45,13 @@ class Communicator(ABC):
 
     Every collective takes one array or a list of arrays. A list is fused: packed into one
     reused buffer, moved with one collective, and split back, so many small arrays cost about
-    one large call. Lists must share one dtype. Inputs may be non-contiguous (they are copied);
-    an ``out`` buffer must be contiguous and writeable. ``out`` may be the input itself, which
-    makes the operation in place. Supported dtypes: float16, float32, float64, int32, int64,
-    uint8. Reduction ops: "sum", "avg" (floating dtypes only: the sum divided by size once),
-    "max", "min", "prod".
+    one large call. An in-place allreduce of a host list packs nothing when the arrays lie back
+    to back in one buffer (``meta_dist.contiguous_arrays``), and moves large lists straight
+    between the arrays (the MPI backend; see ``comm/mpi_lists.py``). Lists must share one
+    dtype. Inputs may be non-contiguous (they are copied); an ``out`` buffer must be contiguous
+    and writeable. ``out`` may be the input itself, which makes the operation in place.
+    Supported dtypes: float16, float32, float64, int32, int64, uint8. Reduction ops: "sum",
+    "avg" (floating dtypes only: the sum divided by size once), "max", "min", "prod".
 
     Before each collective the ranks compare a fingerprint of (operation, op, root, dtype,
     shapes) with one small allreduce on the host; a difference raises ValueError on every rank
@@ -454,8 +457,8 @@ class Communicator(ABC):
         first = type(items[0])
         if first is np.ndarray and items[0].dtype in _DTYPE_SET:  # one pass for a clean list
             dtype = items[0].dtype
-            if all(type(a) is first and a.dtype == dtype and a.flags.c_contiguous
-                   for a in items):
+            if all(type(a) is first and (a.dtype is dtype or a.dtype == dtype)
+                   and a.flags.c_contiguous for a in items):
                 self._check_arrays(api, items)
                 return items, is_list
         for i, a in enumerate(items):
@@ -491,8 +494,8 @@ class Communicator(ABC):
                     and out.flags.c_contiguous and out.flags.writeable):
                 return [out]
         if (is_list and isinstance(out, (list, tuple)) and len(out) == len(like)
-                and all(o is a and getattr(o.flags, "writeable", True)
-                        for o, a in zip(out, like, strict=True))):
+                and all(map(operator.is_, out, like))
+                and all(getattr(o.flags, "writeable", True) for o in out)):
             return list(out)  # a list in place: its arrays were checked as inputs
         outs = list(out) if isinstance(out, (list, tuple)) else [out]
         if isinstance(out, (list, tuple)) != is_list or len(outs) != len(shapes):

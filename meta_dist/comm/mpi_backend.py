@@ -24,7 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 from meta_dist.comm.base import Communicator, address
-from meta_dist.comm.mpi_lists import ListAllreduce
+from meta_dist.comm.mpi_lists import ListAllreduce, chunk_bounds
 from meta_dist.comm.mpi_ops import MPI_OPS, NUMPY_REDUCED_DTYPES, UFUNCS
 from meta_dist.comm.staging import HostStaging, staged
 from meta_dist.connector import MPIConnector
@@ -36,9 +36,6 @@ from meta_dist.xp import gpu_count, select_device
 # reduce_scatter_block already loses at 1 MiB.
 PAIRWISE_MIN_BYTES = {"allreduce": 8 * 2**20, "reduce_scatter": 512 * 1024}
 SEGMENT_BYTES = 512 * 1024
-# Fused lists reduced in place move without fusion copies from this total size; below it one
-# library call on a packed buffer has the lower latency.
-ZERO_COPY_MIN_BYTES = 256 * 1024
 
 
 class MpiCommunicator(Communicator):
@@ -94,7 +91,7 @@ class MpiCommunicator(Communicator):
         if self._library_reduces(send, "allreduce"):
             self._comm.Allreduce(MPI.IN_PLACE if recv is send else send, recv, op=MPI_OPS[op])
             return
-        bounds = _chunk_bounds(send.size, self.size)
+        bounds = chunk_bounds(send.size, self.size)
         self._pairwise_reduce(send, recv, bounds, op, gather=True)
 
     @staged("reduce_scatter")
@@ -166,10 +163,8 @@ class MpiCommunicator(Communicator):
 
     def _allreduce_list(self, sends: list[Any], outs: list[Any], op: str) -> None:
         """Lists of host arrays reduced in place move without fusion copies (``mpi_lists``)."""
-        total = sum(a.size for a in sends)
-        if (self.size > 1 and total * sends[0].itemsize >= ZERO_COPY_MIN_BYTES
-                and type(sends[0]) is np.ndarray and all(map(operator.is_, outs, sends))):
-            self._lists.run(sends, _chunk_bounds(total, self.size), op)
+        if (self.size > 1 and type(sends[0]) is np.ndarray and all(map(operator.is_, outs, sends))
+                and self._lists.run(sends, op, self._allreduce)):
             return
         super()._allreduce_list(sends, outs, op)
 
@@ -223,12 +218,3 @@ class MpiCommunicator(Communicator):
             buf = np.empty(numel, dtype)
             self._scratch[dtype] = buf
         return buf
-
-
-def _chunk_bounds(numel: int, parts: int) -> list[int]:
-    """Return parts+1 boundaries splitting numel elements as evenly as possible."""
-    base, extra = divmod(numel, parts)
-    bounds = [0]
-    for r in range(parts):
-        bounds.append(bounds[-1] + base + (1 if r < extra else 0))
-    return bounds

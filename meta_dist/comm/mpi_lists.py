@@ -1,17 +1,31 @@
-"""Zero-copy allreduce of a list of numpy arrays in place, for the MPI backend.
+"""Allreduce of a list of numpy arrays in place, with as few copies as the layout allows.
 
-Imports numpy, mpi4py and meta_dist.comm.mpi_backend's helpers only through arguments. MPI can
-move data straight between the caller's arrays with a derived datatype (hindexed over their
-absolute addresses) but refuses to reduce on one (MPI_ERR_OP in Open MPI and MPICH). So the
-list is treated as one virtual buffer split into a chunk per rank: each rank sends every peer
-that peer's chunk straight from the arrays, adds what it receives into its own chunk (numpy),
-then sends its reduced chunk to every peer, which receives it straight into its arrays. That
-saves packing into a fusion buffer and unpacking out of it, two full copies of the data.
+Imports numpy and mpi4py; the MPI backend passes its flat allreduce in. Packing a list into a
+fusion buffer and unpacking it again costs two full copies of the data; these cases avoid them:
 
-A numpy array's data never moves, so the datatypes built for a list are kept (a few lists,
-least recently used first out) and reused while the same array objects come back, which is
-what a training loop does with its gradient arrays. Weak references tell a new array at a
-recycled ``id`` from the same one.
+- Arrays laid out back to back in memory (views of one buffer, as
+  ``meta_dist.contiguous_arrays`` makes them, the way DDP's gradient_as_bucket_view and
+  DeepSpeed's contiguous gradients lay out gradients) are one run of memory: reduced as one
+  flat array, with no copy at all.
+- From ZERO_COPY_MIN_BYTES, arrays of ALONE_MIN_BYTES or more are reduced one by one in place:
+  a library call that size is bandwidth-bound already, and fusing them was slower than the
+  raw per-array calls (33 MiB of 1.6K–80K-element arrays: 14.6 ms fused, 10.6 ms raw).
+- The other arrays of such a list move through MPI derived datatypes (hindexed over their
+  absolute addresses) straight between the caller's arrays. MPI refuses to reduce on a derived
+  datatype (MPI_ERR_OP in Open MPI and MPICH), so they form one virtual buffer split into a
+  chunk per rank: each rank sends every peer that peer's chunk from the arrays, adds what it
+  receives into its own chunk (numpy), then sends its reduced chunk to every peer, which
+  receives it straight into its arrays.
+
+Below ZERO_COPY_MIN_BYTES a list that is not adjacent is left to the caller, which packs it:
+one library call then has the lower latency. Every choice that shapes the MPI calls depends on
+sizes (the same on every rank) or on a flag the ranks agree on, since one rank's list may be
+adjacent where another's is not.
+
+A numpy array's data never moves, so what is learned about a list (its layout, its datatypes)
+is kept for a few lists, least recently used first out, and reused while the same array objects
+come back, which is what a training loop does with its gradient arrays. Weak references tell a
+new array at a recycled ``id`` from the same one.
 """
 
 from __future__ import annotations
@@ -19,41 +33,69 @@ from __future__ import annotations
 import operator
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 from mpi4py import MPI
 
-CACHED_LISTS = 4
+CACHED_LISTS = 8
+# Measured with scripts/distributed/bench_fusion.py and per-size sweeps, 2 ranks, Open MPI 5:
+# below this total a packed buffer and one library call beat the datatype exchange
+ZERO_COPY_MIN_BYTES = 256 * 1024
+# arrays from this size gain nothing from fusion (the library call is bandwidth-bound)
+ALONE_MIN_BYTES = 64 * 1024
+
+FlatReduce = Callable[[np.ndarray, np.ndarray, str], None]
 
 
 class ListPlan:
-    """The chunk datatypes and this rank's pieces for one list of arrays.
+    """What one list of arrays needs: its layout, and the datatypes of its fused part.
 
     Args:
         arrays: C-contiguous numpy arrays of one dtype.
-        bounds: size+1 boundaries of the chunks in the virtual concatenation.
+        size: the number of ranks.
         rank: this rank.
-        got: the receive buffer (at least this rank's chunk long); the plan keeps views of it.
+        receive: returns the receive buffer for a chunk of so many elements (shared by plans).
     """
 
-    def __init__(self, arrays: list[np.ndarray], bounds: list[int], rank: int,
-                 got: np.ndarray) -> None:
+    def __init__(self, arrays: list[np.ndarray], size: int, rank: int,
+                 receive: Callable[[np.dtype, int], np.ndarray]) -> None:
         self.refs = [weakref.ref(a) for a in arrays]
-        self.got = got
+        self.numel = sum(a.size for a in arrays)
+        self.small = self.numel * arrays[0].itemsize < ZERO_COPY_MIN_BYTES
+        self.adjacent = _adjacent(arrays)  # this rank's layout only; see ListAllreduce.run
+        # Arrays reduced one by one, and those fused (None: all of them, in list order).
+        self.alone: list[int] = [] if self.small else [
+            i for i, a in enumerate(arrays) if a.nbytes >= ALONE_MIN_BYTES]
+        self.fused: list[int] | None = None
+        if self.alone:
+            skip = set(self.alone)
+            self.fused = [i for i in range(len(arrays)) if i not in skip]
         self.types: list[MPI.Datatype] = []
-        # This rank's chunk as indices, never views of the caller's arrays (the cache must not
-        # keep them alive): arrays whole_lo..whole_hi lie wholly in it, each added from the
-        # matching view in whole_gots; the (at most two) arrays cut by its edges are in
-        # partial as (array index, first, last, view of got).
+        # This rank's chunk of the fused arrays, as indices into them, never views of the
+        # caller's arrays (the cache must not keep them alive): fused arrays
+        # whole_lo..whole_hi lie wholly in it, each added from the matching view in
+        # whole_gots; the (at most two) arrays cut by its edges are in partial as
+        # (index, first, last, view of got).
         self.whole_lo = self.whole_hi = 0
         self.whole_gots: list[np.ndarray] = []
         self.partial: list[tuple[int, int, int, np.ndarray]] = []
-        starts = np.cumsum([0] + [a.size for a in arrays[:-1]]).tolist()
+        fused = self.fused_arrays(arrays)
+        if self.small or not fused:
+            return
+        sizes = [a.size for a in fused]
+        bounds = chunk_bounds(sum(sizes), size)
+        self.got = receive(arrays[0].dtype, bounds[rank + 1] - bounds[rank])
+        starts = np.cumsum([0] + sizes[:-1]).tolist()
         try:
-            self._build(arrays, bounds, rank, starts)
+            self._build(fused, bounds, rank, starts)
         except BaseException:
             self.free()  # the datatypes made before the failure
             raise
+
+    def fused_arrays(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """Return the arrays of ``arrays`` that move fused."""
+        return arrays if self.fused is None else [arrays[i] for i in self.fused]
 
     def _build(self, arrays: list[np.ndarray], bounds: list[int], rank: int,
                starts: list[int]) -> None:
@@ -66,8 +108,12 @@ class ListPlan:
                 first, last = max(lo, start), min(hi, start + a.size)
                 if first >= last:
                     continue
-                lengths.append(last - first)
-                addresses.append(MPI.Get_address(a) + (first - start) * itemsize)
+                address = MPI.Get_address(a) + (first - start) * itemsize
+                if addresses and addresses[-1] + lengths[-1] * itemsize == address:
+                    lengths[-1] += last - first  # adjacent in memory: one block
+                else:
+                    lengths.append(last - first)
+                    addresses.append(address)
                 if r == rank:
                     self._add_piece(i, first - start, last - start, a.size, first - lo)
             datatype = basic.Create_hindexed(lengths, addresses)
@@ -89,14 +135,14 @@ class ListPlan:
         return len(arrays) == len(self.refs) and all(
             map(operator.is_, map(weakref.ref.__call__, self.refs), arrays))
 
-    def add_into(self, arrays: list[np.ndarray], ufunc: np.ufunc) -> None:
-        """Reduce what ``got`` holds into this rank's pieces of ``arrays``, in place."""
-        for a, g in zip(arrays[self.whole_lo : self.whole_hi], self.whole_gots, strict=True):
+    def add_into(self, fused: list[np.ndarray], ufunc: np.ufunc) -> None:
+        """Reduce what ``got`` holds into this rank's pieces of the fused arrays, in place."""
+        for a, g in zip(fused[self.whole_lo : self.whole_hi], self.whole_gots, strict=True):
             if a.ndim != 1:
                 a = a.reshape(-1)
             ufunc(a, g, out=a)
         for i, first, last, g in self.partial:
-            a = arrays[i]
+            a = fused[i]
             piece = (a if a.ndim == 1 else a.reshape(-1))[first:last]
             ufunc(piece, g, out=piece)
 
@@ -108,7 +154,7 @@ class ListPlan:
 
 
 class ListAllreduce:
-    """In-place allreduce of lists of numpy arrays over a communicator, without fusion copies.
+    """In-place allreduce of lists of numpy arrays over a communicator, with few copies.
 
     Args:
         comm: the backend's MPI communicator.
@@ -120,22 +166,52 @@ class ListAllreduce:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self._plans: OrderedDict[tuple[int, ...], ListPlan] = OrderedDict()
         self._got: dict[np.dtype, np.ndarray] = {}  # receive buffers, shared by the plans
+        self._flag = np.empty(1, np.int32)
 
-    def run(self, arrays: list[np.ndarray], bounds: list[int], op: str) -> None:
-        """Reduce ``arrays`` in place across ranks; every rank ends with the same values."""
-        plan = self._plan(arrays, bounds)
+    def run(self, arrays: list[np.ndarray], op: str, reduce_flat: FlatReduce) -> bool:
+        """Reduce ``arrays`` in place across ranks unless packing is better; say whether it did.
+
+        ``reduce_flat`` is the backend's allreduce of one flat array. A small list is reduced
+        here only if its arrays are adjacent, with the same ``reduce_flat`` call the caller makes
+        on a packed buffer; otherwise this returns False and the caller packs. A larger list
+        is reduced as one flat array if every rank's list is adjacent (one small allreduce
+        decides), else as described in the module docstring. Collective.
+        """
+        plan = self._plan(arrays)
+        if plan.small:
+            if not plan.adjacent:
+                return False
+            reduce_flat(*_run_of(arrays, plan.numel), op)
+            return True
+        if self._everywhere(plan.adjacent):
+            reduce_flat(*_run_of(arrays, plan.numel), op)
+            return True
+        for i in plan.alone:
+            a = arrays[i] if arrays[i].ndim == 1 else arrays[i].reshape(-1)
+            reduce_flat(a, a, op)
+        if plan.types:
+            self._exchange(plan, plan.fused_arrays(arrays), op)
+        return True
+
+    def _exchange(self, plan: ListPlan, fused: list[np.ndarray], op: str) -> None:
         rank, size, ufunc = self.rank, self.size, self.ufuncs[op]
         for k in range(1, size):  # reduce-scatter: my chunk gathers every rank's part
             to, frm = (rank + k) % size, (rank - k) % size
             self.comm.Sendrecv([MPI.BOTTOM, 1, plan.types[to]], dest=to,
                                recvbuf=plan.got, source=frm)
-            plan.add_into(arrays, ufunc)
+            plan.add_into(fused, ufunc)
         for k in range(1, size):  # allgather: my reduced chunk to everyone, theirs to me
             to, frm = (rank + k) % size, (rank - k) % size
             self.comm.Sendrecv([MPI.BOTTOM, 1, plan.types[rank]], dest=to,
                                recvbuf=[MPI.BOTTOM, 1, plan.types[frm]], source=frm)
 
-    def _plan(self, arrays: list[np.ndarray], bounds: list[int]) -> ListPlan:
+    def _everywhere(self, flag: bool) -> bool:
+        """Return True on every rank if ``flag`` is True on every rank. Collective."""
+        self._flag[0] = flag
+        self.comm.Allreduce(MPI.IN_PLACE, self._flag, op=MPI.MIN)
+        return bool(self._flag[0])
+
+    def _plan(self, arrays: list[np.ndarray]) -> ListPlan:
         key = tuple(map(id, arrays))
         plan = self._plans.get(key)
         if plan is not None and plan.holds(arrays):
@@ -144,15 +220,13 @@ class ListAllreduce:
         if plan is not None:
             del self._plans[key]
             plan.free()
-        plan = self._plans[key] = ListPlan(arrays, bounds, self.rank,
-                                           self._receive_buffer(arrays[0].dtype, bounds))
+        plan = self._plans[key] = ListPlan(arrays, self.size, self.rank, self._receive_buffer)
         while len(self._plans) > CACHED_LISTS:
             self._plans.popitem(last=False)[1].free()
         return plan
 
-    def _receive_buffer(self, dtype: np.dtype, bounds: list[int]) -> np.ndarray:
-        """Return the shared receive buffer, sized for this rank's chunk (plans view it)."""
-        numel = bounds[self.rank + 1] - bounds[self.rank]
+    def _receive_buffer(self, dtype: np.dtype, numel: int) -> np.ndarray:
+        """Return the shared receive buffer for ``numel`` elements (plans keep views of it)."""
         got = self._got.get(dtype)
         if got is None or got.size < numel:
             self.clear()  # the cached plans view the old buffer; build them again
@@ -165,3 +239,37 @@ class ListAllreduce:
             plan.free()
         self._plans.clear()
         self._got.clear()
+
+
+def _adjacent(arrays: list[np.ndarray]) -> bool:
+    """Return True if the arrays lie back to back in memory, in list order, with no gap."""
+    end = None
+    for a in arrays:
+        if a.size == 0:
+            continue
+        start = MPI.Get_address(a)
+        if end is not None and start != end:
+            return False
+        end = start + a.nbytes
+    return True
+
+
+def _run_of(arrays: list[np.ndarray], numel: int) -> tuple[np.ndarray, np.ndarray]:
+    """Return (send, recv) for one flat view over adjacent arrays (in place: the same view).
+
+    The view starts at the first non-empty array and spans exactly the arrays' memory, which
+    _adjacent found to be one run, so it reaches no byte outside them.
+    """
+    first = next((a for a in arrays if a.size), arrays[0])
+    flat = first if first.ndim == 1 else first.reshape(-1)
+    run = np.lib.stride_tricks.as_strided(flat, shape=(numel,))
+    return run, run
+
+
+def chunk_bounds(numel: int, parts: int) -> list[int]:
+    """Return parts+1 boundaries splitting numel elements as evenly as possible."""
+    base, extra = divmod(numel, parts)
+    bounds = [0]
+    for r in range(parts):
+        bounds.append(bounds[-1] + base + (1 if r < extra else 0))
+    return bounds

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import same_on_every_rank
 
-from meta_dist import make_communicator
+from meta_dist import contiguous_arrays, make_communicator
 
 DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8"]
 OPS = ["sum", "avg", "max", "min", "prod"]
@@ -265,6 +265,55 @@ def test_large_fused_list_in_place_without_copies(comm, connector, dtype, op):
         comm.allreduce(again, op, out=again)
         for a, b in zip(again, mine, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+LAYOUT_SHAPES = {
+    # under 256 KiB in all: one flat allreduce, packed or (adjacent) straight on the buffer
+    "small": [(5,), (0,), (300,), (10, 7), (1,)],
+    # over it: 20000 and 30001 float64 (>= 64 KiB) go alone, the rest through datatypes
+    "large": [(5,), (0,), (20000,), (100, 70), (30001,), (1,), (3000,)],
+}
+
+
+def _laid_out(layout, shapes, dtype):
+    if layout == "adjacent":
+        return contiguous_arrays(shapes, dtype)
+    if layout == "reversed":  # adjacent in memory, but in the opposite order to the list
+        return contiguous_arrays(shapes[::-1], dtype)[::-1]
+    return [np.zeros(shape, dtype) for shape in shapes]
+
+
+@pytest.mark.parametrize("op", ["sum", "max"])
+@pytest.mark.parametrize("size", ["small", "large"])
+@pytest.mark.parametrize("layouts", ["adjacent", "separate", "reversed", "by rank"])
+def test_list_layouts_reduce_alike(comm, connector, layouts, size, op):
+    """In-place lists reduce right whatever their memory layout, even when the ranks' layouts
+    differ ("by rank": even ranks adjacent, odd ranks separate), which must not change the MPI
+    calls a rank makes; twice, so cached plans are reused."""
+    shapes = LAYOUT_SHAPES[size]
+    layout = layouts if layouts != "by rank" else ("adjacent", "separate")[comm.rank % 2]
+    mine = _laid_out(layout, shapes, np.float64)
+    for round_ in range(2):
+        inputs = [[rank_input(round_ * 10 + i, r, shape, np.float64, op)
+                   for i, shape in enumerate(shapes)] for r in range(comm.size)]
+        for a, x in zip(mine, inputs[comm.rank], strict=True):
+            a[...] = x
+        result = comm.allreduce(mine, op, out=mine)
+        assert all(r is m for r, m in zip(result, mine, strict=True))
+        for i, got in enumerate(mine):
+            assert_matches(got, reference([inputs[r][i] for r in range(comm.size)], op),
+                           comm.size)
+            assert same_on_every_rank(connector, got)
+
+
+def test_contiguous_arrays_are_views_of_one_buffer():
+    arrays = contiguous_arrays([(2, 3), (0,), (4,)], np.float32)
+    assert [a.shape for a in arrays] == [(2, 3), (0,), (4,)]
+    assert all(a.dtype == np.float32 and a.flags.c_contiguous and not a.any() for a in arrays)
+    assert arrays[0].base is arrays[2].base is not None
+    assert np.shares_memory(arrays[0].base, arrays[2])
+    arrays[2][0] = 5  # the element right after the first array's six
+    assert arrays[0].base[6] == 5
 
 
 @pytest.mark.mpi(min_size=2)
