@@ -91,7 +91,8 @@ class DistContext:
         the host. Needs no communication, so point-to-point calls are safe.
         """
         item = array[0] if isinstance(array, (list, tuple)) and array else array
-        if is_cupy_array(item) and self._backend != "mpi" and "nccl" in self._communicators:
+        if (self._backend != "mpi" and is_cupy_array(item)
+                and "nccl" in self._communicators):
             return self._communicators["nccl"]
         return self.communicator("mpi")
 

@@ -22,7 +22,8 @@ def cupy_or_none() -> types.ModuleType | None:
 
 def is_cupy_array(arr: object) -> bool:
     """Return True if ``arr`` is a CuPy array (without importing cupy when it is not)."""
-    return type(arr).__module__.split(".")[0] == "cupy"
+    kind = type(arr)
+    return kind is not np.ndarray and kind.__module__.split(".")[0] == "cupy"
 
 
 def array_module(arr: object) -> types.ModuleType:

@@ -268,7 +268,7 @@ class Communicator(ABC):
     def _allreduce_plan(self, send: Any, op: str, out: Any) -> Callable[[], Any]:
         sends, is_list = self._inputs("allreduce", send)
         self._check_op("allreduce", op, REDUCE_OPS, sends[0].dtype)
-        outs = self._outputs("allreduce", out, [s.shape for s in sends], sends, is_list)
+        outs = self._outputs("allreduce", out, None, sends, is_list)
 
         def run() -> Any:
             self._fingerprint("allreduce", sends, op=op)
@@ -344,7 +344,7 @@ class Communicator(ABC):
     def _broadcast_plan(self, buf: Any, root: int, out: Any) -> Callable[[], Any]:
         bufs, is_list = self._inputs("broadcast", buf)
         self._check_rank("broadcast", "root", root)
-        outs = self._outputs("broadcast", out, [b.shape for b in bufs], bufs, is_list)
+        outs = self._outputs("broadcast", out, None, bufs, is_list)
 
         def run() -> Any:
             self._fingerprint("broadcast", bufs, root=root)
@@ -365,7 +365,7 @@ class Communicator(ABC):
         self._check_rank("reduce", "root", root)
         self._check_op("reduce", op, REDUCE_OPS, sends[0].dtype)
         is_root = self.rank == root
-        outs = self._outputs("reduce", out if is_root else None, [s.shape for s in sends], sends,
+        outs = self._outputs("reduce", out if is_root else None, None, sends,
                              is_list) if is_root else None
 
         def run() -> Any:
@@ -482,21 +482,26 @@ class Communicator(ABC):
     def _check_arrays(self, api: str, arrays: list[Any]) -> None:  # noqa: B027 (optional hook)
         """Let a backend refuse arrays it cannot move (e.g. host arrays on NCCL)."""
 
-    def _outputs(self, api: str, out: Any, shapes: list[tuple[int, ...]], like: list[Any],
-                 is_list: bool) -> list[Any]:
+    def _outputs(self, api: str, out: Any, shapes: list[tuple[int, ...]] | None,
+                 like: list[Any], is_list: bool) -> list[Any]:
+        """Check or allocate the output arrays; ``shapes`` None means the inputs' shapes."""
         if out is None:
+            if shapes is None:
+                shapes = [a.shape for a in like]
             xp = array_module(like[0])
             return [xp.empty(shape, like[0].dtype) for shape in shapes]
         if not is_list and type(out) is np.ndarray and type(like[0]) is np.ndarray:  # common
             if out is like[0] and out.flags.writeable:
                 return [out]  # in place: already checked as an input
-            if (out.shape == shapes[0] and out.dtype == like[0].dtype
+            due = like[0].shape if shapes is None else shapes[0]
+            if (out.shape == due and out.dtype == like[0].dtype
                     and out.flags.c_contiguous and out.flags.writeable):
                 return [out]
-        if (is_list and isinstance(out, (list, tuple)) and len(out) == len(like)
-                and all(map(operator.is_, out, like))
+        if (is_list and _same_arrays(out, like, is_list)
                 and all(getattr(o.flags, "writeable", True) for o in out)):
             return list(out)  # a list in place: its arrays were checked as inputs
+        if shapes is None:
+            shapes = [a.shape for a in like]
         outs = list(out) if isinstance(out, (list, tuple)) else [out]
         if isinstance(out, (list, tuple)) != is_list or len(outs) != len(shapes):
             raise ValueError(
@@ -732,6 +737,12 @@ def address(arr: Any) -> int:
     if type(arr) is np.ndarray:
         return MPI.Get_address(arr)
     return data_ptr(arr)
+
+
+def _same_arrays(out: Any, like: list[Any], is_list: bool) -> bool:
+    """Return True if ``out`` is exactly the input arrays (a list in place)."""
+    return (is_list and isinstance(out, (list, tuple)) and len(out) == len(like)
+            and all(map(operator.is_, out, like)))
 
 
 def _owner(arr: Any) -> Any:

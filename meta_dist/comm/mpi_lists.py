@@ -30,7 +30,6 @@ new array at a recycled ``id`` from the same one.
 
 from __future__ import annotations
 
-import operator
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -60,7 +59,14 @@ class ListPlan:
 
     def __init__(self, arrays: list[np.ndarray], size: int, rank: int,
                  receive: Callable[[np.dtype, int], np.ndarray]) -> None:
-        self.refs = [weakref.ref(a) for a in arrays]
+        # One array freed ends the plan: its id may come back on another array. While every
+        # array lives, the ids the cache is keyed by name exactly these objects.
+        alive = self.alive = [True]
+
+        def died(_ref: weakref.ref, alive: list[bool] = alive) -> None:
+            alive[0] = False
+
+        self.refs = [weakref.ref(a, died) for a in arrays]
         self.numel = sum(a.size for a in arrays)
         self.small = self.numel * arrays[0].itemsize < ZERO_COPY_MIN_BYTES
         self.adjacent = _adjacent(arrays)  # this rank's layout only; see ListAllreduce.run
@@ -130,10 +136,9 @@ class ListPlan:
         else:
             self.partial.append((i, first, last, view))
 
-    def holds(self, arrays: list[np.ndarray]) -> bool:
-        """Return True if this plan was built for exactly these array objects."""
-        return len(arrays) == len(self.refs) and all(
-            map(operator.is_, map(weakref.ref.__call__, self.refs), arrays))
+    def holds(self) -> bool:
+        """Return True while every array the plan was built for lives (then the ids match)."""
+        return self.alive[0]
 
     def add_into(self, fused: list[np.ndarray], ufunc: np.ufunc) -> None:
         """Reduce what ``got`` holds into this rank's pieces of the fused arrays, in place."""
@@ -214,7 +219,7 @@ class ListAllreduce:
     def _plan(self, arrays: list[np.ndarray]) -> ListPlan:
         key = tuple(map(id, arrays))
         plan = self._plans.get(key)
-        if plan is not None and plan.holds(arrays):
+        if plan is not None and plan.holds():
             self._plans.move_to_end(key)
             return plan
         if plan is not None:

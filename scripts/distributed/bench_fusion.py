@@ -4,12 +4,16 @@
         [--min-numel 100] [--max-numel 5000] [--seed 0] [--rounds 40] [--no-check]
 
 Array sizes are drawn uniformly from [min-numel, max-numel] with a fixed seed (the same on every
-rank). Four ways to sum them across ranks are timed on the same arrays:
-    (a) raw: one mpi4py ``Allreduce(MPI.IN_PLACE, a)`` per array;
+rank). The arrays exist twice: allocated one by one (np.zeros each), and laid out back to back
+in one buffer (``meta_dist.contiguous_arrays``, as DDP's gradient_as_bucket_view lays out
+gradients). These ways to sum them across ranks are timed:
+    (a) raw: one mpi4py ``Allreduce(MPI.IN_PLACE, a)`` per separately allocated array;
     (b) fused: ``meta_dist.allreduce(arrays, out=arrays)`` -- one collective for the list, in
         place, moved straight between the arrays;
     (b2) fused into new arrays: ``meta_dist.allreduce(arrays)``;
-    (c) per-array: ``meta_dist.allreduce(a, out=a)`` for each array.
+    (c) per-array: ``meta_dist.allreduce(a, out=a)`` for each array;
+    (a') raw, one Allreduce per array of the one-buffer list;
+    (d) fused, the one-buffer list in place: reduced as the buffer itself, no copy.
 One sample is one pass over all arrays. Passes of every variant alternate in blocks (barrier
 before each block, order rotated every block) so drift hits all alike; the time shown is the
 maximum over ranks of each rank's median pass. --no-check sets META_DIST_CHECK=0 before meta_dist
@@ -56,6 +60,7 @@ def main():
     sizes = np.random.default_rng(args.seed).integers(args.min_numel, args.max_numel + 1,
                                                       args.arrays)
     arrays = [np.zeros(int(n), np.float32) for n in sizes]  # zeros: in-place sums stay finite
+    adjacent = meta_dist.contiguous_arrays([a.shape for a in arrays], np.float32)
 
     def raw():
         for a in arrays:
@@ -71,10 +76,19 @@ def main():
         for a in arrays:
             meta_dist.allreduce(a, out=a)
 
+    def raw_adjacent():
+        for a in adjacent:
+            world.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
+
+    def fused_adjacent():
+        meta_dist.allreduce(adjacent, out=adjacent)
+
     variants = {"(a) raw mpi4py, one Allreduce per array": raw,
                 "(b) meta_dist.allreduce(list), fused": fused,
                 "(b2) fused, new arrays (out=None)": fused_new,
-                "(c) meta_dist.allreduce, one call per array": per_array}
+                "(c) meta_dist.allreduce, one call per array": per_array,
+                "(a') raw per array, arrays in one buffer": raw_adjacent,
+                "(d) fused, arrays in one buffer (no copy)": fused_adjacent}
     for run in variants.values():
         for _ in range(args.warmup):
             run()
@@ -91,11 +105,13 @@ def main():
     times = {n: world.allreduce(float(np.median(s)), op=MPI.MAX) for n, s in samples.items()}
 
     # correctness of the fused path on known values: every rank adds rank + 1
-    for i, a in enumerate(arrays):
-        a[...] = np.arange(a.size) % 5 + rank + 1 + i
-    meta_dist.allreduce(arrays, out=arrays)
-    ok = all((a == size * (np.arange(a.size) % 5 + i) + size * (size + 1) // 2).all()
-             for i, a in enumerate(arrays))
+    ok = True
+    for listed in (arrays, adjacent):
+        for i, a in enumerate(listed):
+            a[...] = np.arange(a.size) % 5 + rank + 1 + i
+        meta_dist.allreduce(listed, out=listed)
+        ok = ok and all((a == size * (np.arange(a.size) % 5 + i) + size * (size + 1) // 2).all()
+                        for i, a in enumerate(listed))
     ok = world.allreduce(ok, op=MPI.LAND)
 
     if rank == 0:
@@ -111,8 +127,10 @@ def main():
             print(f"{name:<46}{t * 1e3:>9.3f}{t * 1e6 / args.arrays:>10.1f}{base / t:>7.2f}x")
         print(f"summary: fused meta_dist.allreduce is {base / times[names[1]]:.1f}x faster than "
               f"{args.arrays} raw Allreduce calls ({times[names[1]] * 1e3:.2f} vs "
-              f"{base * 1e3:.2f} ms); per-array meta_dist {base / times[names[3]]:.2f}x raw; "
-              f"fused result {'right' if ok else 'WRONG'}")
+              f"{base * 1e3:.2f} ms), {times[names[4]] / times[names[5]]:.1f}x on arrays in one "
+              f"buffer ({times[names[5]] * 1e3:.2f} vs {times[names[4]] * 1e3:.2f} ms); "
+              f"per-array meta_dist {base / times[names[3]]:.2f}x raw; "
+              f"fused results {'right' if ok else 'WRONG'}")
     world.Free()
     meta_dist.shutdown()
     return 0 if ok else 1

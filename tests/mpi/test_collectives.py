@@ -306,6 +306,30 @@ def test_list_layouts_reduce_alike(comm, connector, layouts, size, op):
             assert same_on_every_rank(connector, got)
 
 
+def test_list_plan_dies_with_any_of_its_arrays():
+    """Cached list plans are keyed by the arrays' ids; a freed array's id can come back on a
+    new array, so a plan must never serve once one of its arrays is gone."""
+    import gc
+
+    from mpi4py import MPI
+
+    from meta_dist.comm.mpi_lists import ListAllreduce
+    from meta_dist.comm.mpi_ops import UFUNCS
+
+    lists = ListAllreduce(MPI.COMM_SELF, UFUNCS)
+    arrays = [np.ones(5), np.ones(70000)]
+    plan = lists._plan(arrays)
+    assert lists._plan(arrays) is plan and plan.holds()
+    newcomer = [np.ones(5), np.ones(70000)]
+    del arrays[1]
+    gc.collect()
+    assert not plan.holds()
+    lists._plans[tuple(map(id, newcomer))] = plan  # as if the ids had been recycled
+    fresh = lists._plan(newcomer)
+    assert fresh is not plan and fresh.holds()
+    lists.clear()
+
+
 def test_contiguous_arrays_are_views_of_one_buffer():
     arrays = contiguous_arrays([(2, 3), (0,), (4,)], np.float32)
     assert [a.shape for a in arrays] == [(2, 3), (0,), (4,)]
