@@ -259,6 +259,7 @@ class Communicator(ABC):
         try:
             self._close_backend()
         finally:  # whatever the backend did, this communicator is done
+            self._consistency.close()
             self._check_comm.Free()
             self._check_comm = None
             self.closed = True

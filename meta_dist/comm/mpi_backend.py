@@ -101,7 +101,8 @@ class MpiCommunicator(Communicator):
                 recv[...] = send
             return
         if self._library_reduces(send, "reduce_scatter"):
-            if address(recv) == address(send) + self.rank * recv.nbytes:
+            if (recv.base is not None  # an array owning its memory lies in no other
+                    and address(recv) == address(send) + self.rank * recv.nbytes):
                 # MPI_IN_PLACE would overwrite rows 0..m of send; go through scratch instead
                 scratch = self._scratch_buffer(recv.dtype, recv.size)[: recv.size]
                 self._comm.Reduce_scatter_block(send, scratch, op=MPI_OPS[op])
@@ -118,7 +119,8 @@ class MpiCommunicator(Communicator):
             if address(recv) != address(send):
                 recv[...] = send
             return
-        in_place = address(send) == address(recv) + self.rank * send.nbytes
+        in_place = (send.base is not None  # an array owning its memory lies in no other
+                    and address(send) == address(recv) + self.rank * send.nbytes)
         self._comm.Allgather(MPI.IN_PLACE if in_place else send, recv)
 
     @staged("broadcast")
