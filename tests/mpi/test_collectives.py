@@ -5,7 +5,7 @@ the reference for all ranks locally, with no extra communication. Integer result
 must match exactly. Floating sums and products may add in another order than the reference
 (the library picks the order), so they match within (size) units of rounding of the largest
 partial result: rtol = atol = 4 * size * eps(dtype), relative to max |input|**k.
-Sizes include odd lengths and ones above the pairwise-exchange threshold (256 KiB).
+Sizes include odd lengths; the "pairwise" reducer takes the pairwise exchange at every size.
 """
 
 import numpy as np
