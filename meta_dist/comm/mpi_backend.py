@@ -31,11 +31,12 @@ from meta_dist.connector import MPIConnector
 from meta_dist.xp import gpu_count, select_device
 
 # Where the pairwise exchange starts to beat the library (2 ranks, Open MPI 5 and MPICH 5 wheels,
-# measured with scripts/distributed/bench_collectives.py): allreduce crosses over near 8 MiB,
-# since the library's allreduce is fast until its per-call scratch allocation dominates; an
-# in-place reduce_scatter already wins at 128 KiB (40 µs against 57 through the library's
-# scratch and a copy, Open MPI; 35 against 61, MPICH).
-PAIRWISE_MIN_BYTES = {"allreduce": 8 * 2**20, "reduce_scatter": 128 * 1024}
+# measured with scripts/distributed/bench_collectives.py): allreduce crosses over near 16 MiB
+# (8 MiB: library 1.6 ms, pairwise 2.1 ms; 32 MiB: 16.6 against 8.5 ms, Open MPI), since the
+# library's allreduce is fast until its per-call scratch allocation dominates; an in-place
+# reduce_scatter already wins at 128 KiB (40 µs against 57 through the library's scratch and a
+# copy, Open MPI; 35 against 61, MPICH).
+PAIRWISE_MIN_BYTES = {"allreduce": 16 * 2**20, "reduce_scatter": 128 * 1024}
 SEGMENT_BYTES = 512 * 1024
 
 
