@@ -492,13 +492,13 @@ class Communicator(ABC):
             xp = array_module(like[0])
             return [xp.empty(shape, like[0].dtype) for shape in shapes]
         if not is_list and type(out) is np.ndarray and type(like[0]) is np.ndarray:  # common
-            if out is like[0] and out.flags.writeable:
+            if out is like[0] and shapes is None and out.flags.writeable:
                 return [out]  # in place: already checked as an input
             due = like[0].shape if shapes is None else shapes[0]
             if (out.shape == due and out.dtype == like[0].dtype
                     and out.flags.c_contiguous and out.flags.writeable):
                 return [out]
-        if (is_list and _same_arrays(out, like, is_list)
+        if (shapes is None and _same_arrays(out, like, is_list)
                 and all(getattr(o.flags, "writeable", True) for o in out)):
             return list(out)  # a list in place: its arrays were checked as inputs
         if shapes is None:
@@ -534,7 +534,7 @@ class Communicator(ABC):
 
     def _check_scatter_alias(self, send: Any, out: Any) -> None:
         """In place means exactly this rank's rows of ``send``; any other overlap is refused."""
-        if _owner(send) is not _owner(out):  # separate allocations cannot overlap: ~0.2 µs
+        if memory_owner(send) is not memory_owner(out):  # separate allocations: ~0.2 µs
             return
         start, offset = address(send), address(out)
         if offset == start + self.rank * out.nbytes:
@@ -746,7 +746,7 @@ def _same_arrays(out: Any, like: list[Any], is_list: bool) -> bool:
             and all(map(operator.is_, out, like)))
 
 
-def _owner(arr: Any) -> Any:
+def memory_owner(arr: Any) -> Any:
     """Return the array that owns ``arr``'s memory (numpy and CuPy point views at it)."""
     while arr.base is not None:
         arr = arr.base

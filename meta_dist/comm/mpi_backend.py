@@ -23,9 +23,15 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from meta_dist.comm.base import Communicator, address
+from meta_dist.comm.base import Communicator, address, memory_owner
 from meta_dist.comm.mpi_lists import ListAllreduce, chunk_bounds
-from meta_dist.comm.mpi_ops import MPI_OPS, NUMPY_REDUCED_DTYPES, UFUNCS
+from meta_dist.comm.mpi_ops import (
+    EXCHANGE_TAG,
+    MPI_OPS,
+    NUMPY_REDUCED_DTYPES,
+    P2P_TAG,
+    UFUNCS,
+)
 from meta_dist.comm.staging import HostStaging, staged
 from meta_dist.connector import MPIConnector
 from meta_dist.xp import gpu_count, select_device
@@ -150,11 +156,11 @@ class MpiCommunicator(Communicator):
 
     @staged("send")
     def _send(self, buf: np.ndarray, peer: int) -> None:
-        self._comm.Send(buf, dest=peer)
+        self._comm.Send(buf, dest=peer, tag=P2P_TAG)
 
     @staged("recv")
     def _recv(self, buf: np.ndarray, peer: int) -> None:
-        self._comm.Recv(buf, source=peer)
+        self._comm.Recv(buf, source=peer, tag=P2P_TAG)
 
     def _barrier(self) -> None:
         self._comm.Barrier()
@@ -166,11 +172,27 @@ class MpiCommunicator(Communicator):
         self._comm.Free()
 
     def _allreduce_list(self, sends: list[Any], outs: list[Any], op: str) -> None:
-        """Lists of host arrays reduced in place move without fusion copies (``mpi_lists``)."""
-        if (self.size > 1 and type(sends[0]) is np.ndarray and all(map(operator.is_, outs, sends))
-                and self._lists.run(sends, op, self._allreduce)):
+        """Host lists are reduced in their output arrays, with few copies (``mpi_lists``).
+
+        Whether a list is in place is each rank's own choice, and the MPI calls must not depend
+        on it: out of place, the inputs are first copied into the outputs (one copy, where
+        packing and unpacking cost two), and both ways reduce the outputs in place.
+        """
+        if self.size == 1 or type(sends[0]) is not np.ndarray:
+            super()._allreduce_list(sends, outs, op)
             return
-        super()._allreduce_list(sends, outs, op)
+        if not all(map(operator.is_, outs, sends)):
+            self._copy_list(sends, outs)
+        if not self._lists.run(outs, op, self._allreduce):
+            super()._allreduce_list(outs, outs, op)
+
+    def _copy_list(self, sends: list[np.ndarray], outs: list[np.ndarray]) -> None:
+        """Copy each input into its output; through the fusion buffer if their memory is shared."""
+        if {id(memory_owner(s)) for s in sends}.isdisjoint(id(memory_owner(o)) for o in outs):
+            for s, o in zip(sends, outs, strict=True):
+                o[...] = s
+        else:  # an output may be another input: read every input before writing any
+            self._unpack(self._pack(sends, "allreduce"), outs)
 
     # ---------------------------------------------------------------- the pairwise reduction
 
@@ -206,7 +228,8 @@ class MpiCommunicator(Communicator):
                 to, frm = (rank + k) % size, (rank - k) % size
                 piece = send[bounds[to] + start : min(bounds[to] + start + seg, bounds[to + 1])]
                 got = scratch[: part.size]
-                self._comm.Sendrecv(piece, dest=to, recvbuf=got, source=frm)
+                self._comm.Sendrecv(piece, dest=to, sendtag=EXCHANGE_TAG, recvbuf=got,
+                                    source=frm, recvtag=EXCHANGE_TAG)
                 ufunc(part, got, out=part)
             if not gather:
                 continue
@@ -214,7 +237,8 @@ class MpiCommunicator(Communicator):
                 to, frm = (rank + k) % size, (rank - k) % size
                 theirs = recv[bounds[frm] + start : min(bounds[frm] + start + seg,
                                                         bounds[frm + 1])]
-                self._comm.Sendrecv(part, dest=to, recvbuf=theirs, source=frm)
+                self._comm.Sendrecv(part, dest=to, sendtag=EXCHANGE_TAG, recvbuf=theirs,
+                                    source=frm, recvtag=EXCHANGE_TAG)
 
     def _scratch_buffer(self, dtype: np.dtype, numel: int) -> np.ndarray:
         buf = self._scratch.get(dtype)

@@ -1,7 +1,8 @@
 """Allreduce of a list of numpy arrays in place, with as few copies as the layout allows.
 
-Imports numpy and mpi4py; the MPI backend passes its flat allreduce in. Packing a list into a
-fusion buffer and unpacking it again costs two full copies of the data; these cases avoid them:
+Imports numpy, mpi4py and meta_dist.comm.mpi_ops; the MPI backend passes its flat allreduce in.
+Packing a list into a fusion buffer and unpacking it again costs two full copies of the data;
+these cases avoid them:
 
 - Arrays laid out back to back in memory (views of one buffer, as
   ``meta_dist.contiguous_arrays`` makes them, the way DDP's gradient_as_bucket_view and
@@ -36,6 +37,8 @@ from collections.abc import Callable
 
 import numpy as np
 from mpi4py import MPI
+
+from meta_dist.comm.mpi_ops import EXCHANGE_TAG
 
 CACHED_LISTS = 8
 # Measured with scripts/distributed/bench_fusion.py and per-size sweeps, 2 ranks, Open MPI 5:
@@ -202,13 +205,14 @@ class ListAllreduce:
         rank, size, ufunc = self.rank, self.size, self.ufuncs[op]
         for k in range(1, size):  # reduce-scatter: my chunk gathers every rank's part
             to, frm = (rank + k) % size, (rank - k) % size
-            self.comm.Sendrecv([MPI.BOTTOM, 1, plan.types[to]], dest=to,
-                               recvbuf=plan.got, source=frm)
+            self.comm.Sendrecv([MPI.BOTTOM, 1, plan.types[to]], dest=to, sendtag=EXCHANGE_TAG,
+                               recvbuf=plan.got, source=frm, recvtag=EXCHANGE_TAG)
             plan.add_into(fused, ufunc)
         for k in range(1, size):  # allgather: my reduced chunk to everyone, theirs to me
             to, frm = (rank + k) % size, (rank - k) % size
-            self.comm.Sendrecv([MPI.BOTTOM, 1, plan.types[rank]], dest=to,
-                               recvbuf=[MPI.BOTTOM, 1, plan.types[frm]], source=frm)
+            self.comm.Sendrecv([MPI.BOTTOM, 1, plan.types[rank]], dest=to, sendtag=EXCHANGE_TAG,
+                               recvbuf=[MPI.BOTTOM, 1, plan.types[frm]], source=frm,
+                               recvtag=EXCHANGE_TAG)
 
     def _everywhere(self, flag: bool) -> bool:
         """Return True on every rank if ``flag`` is True on every rank. Collective."""

@@ -1,4 +1,4 @@
-"""How the MPI backend reduces: the library's ops, the numpy ufuncs, and the one exception.
+"""How the MPI backend reduces and tags: the library's ops, the numpy ufuncs, the one exception.
 
 Imports numpy and mpi4py only; the MPI backend and the CuPy staging both use these tables.
 """
@@ -11,3 +11,9 @@ UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "p
 # Open MPI 5.0's MPI_SUM on MPI_UNSIGNED_CHAR saturates at 255 (seen with the PyPI wheel) where
 # numpy and C wrap modulo 256; these dtypes are always reduced by numpy in the pairwise path.
 NUMPY_REDUCED_DTYPES = (np.dtype(np.uint8),)
+
+# Tags on the backend's communicator. The pairwise reductions and the list exchange are built
+# from Sendrecv on the same communicator as the user's send/recv, which run on their own threads:
+# with one tag a collective's receive could take a message a user's send put in flight.
+P2P_TAG = 0
+EXCHANGE_TAG = 1

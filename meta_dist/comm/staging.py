@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from meta_dist.comm.mpi_ops import MPI_OPS, NUMPY_REDUCED_DTYPES
+from meta_dist.comm.mpi_ops import MPI_OPS, NUMPY_REDUCED_DTYPES, P2P_TAG
 from meta_dist.xp import data_ptr, is_cupy_array
 
 ENV_CUDA_AWARE = "META_DIST_CUDA_AWARE_MPI"
@@ -112,10 +112,10 @@ def library_call(comm: MPI.Comm, kind: str, args: Sequence[Any]) -> None:
             comm.Reduce(send, None, op=MPI_OPS[op], root=root)
     elif kind == "send":
         buf, peer = args
-        comm.Send(buf, dest=peer)
+        comm.Send(buf, dest=peer, tag=P2P_TAG)
     elif kind == "recv":
         buf, peer = args
-        comm.Recv(buf, source=peer)
+        comm.Recv(buf, source=peer, tag=P2P_TAG)
     else:
         raise ValueError(f"library_call: unknown kind; got {kind!r}, expected one of "
                          f"{', '.join(ROLES)}")

@@ -8,6 +8,8 @@ partial result: rtol = atol = 4 * size * eps(dtype), relative to max |input|**k.
 Sizes include odd lengths; the "pairwise" reducer takes the pairwise exchange at every size.
 """
 
+import time
+
 import numpy as np
 import pytest
 from conftest import same_on_every_rank
@@ -304,6 +306,59 @@ def test_list_layouts_reduce_alike(comm, connector, layouts, size, op):
             assert_matches(got, reference([inputs[r][i] for r in range(comm.size)], op),
                            comm.size)
             assert same_on_every_rank(connector, got)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_list_in_place_on_some_ranks_only(comm, connector, size):
+    """Whether a rank reduces a list in place is its own choice, not part of the check: ranks
+    that differ in it must still make the same MPI calls."""
+    shapes = LAYOUT_SHAPES[size]
+    inputs = [[rank_input(i, r, shape, np.float64) for i, shape in enumerate(shapes)]
+              for r in range(comm.size)]
+    mine = [a.copy() for a in inputs[comm.rank]]
+    got = comm.allreduce(mine, out=mine) if comm.rank % 2 == 0 else comm.allreduce(mine)
+    for i, g in enumerate(got):
+        assert_matches(g, reference([inputs[r][i] for r in range(comm.size)], "sum"), comm.size)
+        assert same_on_every_rank(connector, g)
+    if comm.rank % 2:
+        for a, x in zip(mine, inputs[comm.rank], strict=True):
+            np.testing.assert_array_equal(a, x)  # out of place: the inputs are untouched
+
+
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_list_out_is_the_inputs_reordered(comm, connector, size):
+    """out may name the input arrays in another order: every input is read before any output
+    is written, as if the result went to fresh arrays."""
+    shapes = [(4000,), (4000,)] if size == "small" else [(40000,), (40000,)]
+    inputs = [[rank_input(i, r, shape, np.float64) for i, shape in enumerate(shapes)]
+              for r in range(comm.size)]
+    a, b = (x.copy() for x in inputs[comm.rank])
+    got = comm.allreduce([a, b], out=[b, a])
+    assert got[0] is b and got[1] is a
+    for i, g in enumerate(got):
+        assert_matches(g, reference([inputs[r][i] for r in range(comm.size)], "sum"), comm.size)
+        assert same_on_every_rank(connector, g)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_point_to_point_in_flight_beside_collectives(comm):
+    """A send started before a collective must not be taken by the collective's internal
+    exchanges (the pairwise reduce_scatter and the list exchange use Sendrecv)."""
+    message = np.full(1000, 7.0, np.float32)
+    send = np.ones(comm.size * 65536, np.float32)  # 256 KiB: the pairwise reduce_scatter
+    big = [np.ones(70000), np.ones(5), np.ones(30000)]  # the list datatype exchange
+    if comm.rank == 0:
+        sent = comm.send_async(message, peer=1)
+        time.sleep(0.1)  # the message is on its way before the collectives start
+    part = comm.reduce_scatter(send)
+    comm.allreduce(big, out=big)
+    if comm.rank == 1:
+        np.testing.assert_array_equal(comm.recv(np.empty(1000, np.float32), peer=0), message)
+    if comm.rank == 0:
+        sent.wait()
+    np.testing.assert_array_equal(part, np.full(65536, comm.size, np.float32))
+    np.testing.assert_array_equal(big[1], np.full(5, comm.size))
 
 
 def test_list_plan_dies_with_any_of_its_arrays():

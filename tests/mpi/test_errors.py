@@ -84,6 +84,23 @@ def test_bad_arguments(comm):
         comm.allreduce([1.0, 2.0])
 
 
+def test_out_is_send_with_the_wrong_shape(comm):
+    """out=send is in place for allreduce, not for allgather or reduce_scatter, whose outputs
+    have other shapes: every rank refuses it before communicating."""
+    if comm.size == 1:
+        pytest.skip("with one rank the shapes agree")
+    x = np.ones(2 * comm.size)
+    with pytest.raises(ValueError, match=r"out\[0\] has shape"):
+        comm.allgather(x, out=x)
+    with pytest.raises(ValueError, match=r"out\[0\] has shape"):
+        comm.reduce_scatter(x, out=x)
+    xs = [np.ones(2 * comm.size), np.ones(comm.size)]
+    with pytest.raises(ValueError, match=r"out\[0\] has shape"):
+        comm.reduce_scatter(xs, out=xs)
+    with pytest.raises(ValueError, match=r"out\[0\] has shape"):
+        comm.allgather(xs, out=xs)
+
+
 def test_bad_output_buffers(comm):
     x = np.ones(4, np.float32)
     frozen = np.zeros(4, np.float32)
