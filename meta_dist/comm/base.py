@@ -84,6 +84,7 @@ class Communicator(ABC):
         self.size = connector.size
         self.check = _env_flag("META_DIST_CHECK", True) if check is None else check
         self.stall_timeout = stall_timeout
+        self._agree({"check": self.check, **self._call_settings()})
         self._check_comm = connector.comm.Dup()
         self._consistency = ConsistencyCheck(self._check_comm)
         self._watchdog = StallWatchdog(self.rank, stall_timeout) if stall_timeout else None
@@ -264,6 +265,30 @@ class Communicator(ABC):
             self._check_comm = None
             self.closed = True
 
+    def _call_settings(self) -> dict[str, Any]:
+        """Return the backend's settings that decide which library calls a collective makes."""
+        return {}
+
+    def _agree(self, settings: dict[str, Any]) -> None:
+        """Raise ValueError on every rank unless every rank has these settings. Collective.
+
+        Each one decides which calls a collective makes (the check's extra allreduce, where the
+        pairwise exchange starts): a rank with other values would leave its peers waiting.
+        """
+        if self.size == 1:
+            return
+        every = self.connector.allgather(settings)
+        differ = [k for k in settings if any(s[k] != settings[k] for s in every)]
+        if differ:
+            listing = "; ".join(
+                f"rank {r}: " + ", ".join(f"{k}={s[k]!r}" for k in differ)
+                for r, s in enumerate(every))
+            raise ValueError(
+                f"{type(self).__name__}: settings differ across ranks: {listing}; expected the "
+                "same values on every rank (set META_DIST_CHECK and the communicator's "
+                "arguments alike everywhere)"
+            )
+
     # ---------------------------------------------------------- plans (validate now, run later)
 
     def _allreduce_plan(self, send: Any, op: str, out: Any) -> Callable[[], Any]:
@@ -273,7 +298,7 @@ class Communicator(ABC):
 
         def run() -> Any:
             self._fingerprint("allreduce", sends, op=op)
-            if not is_list:
+            if len(sends) == 1:  # [x] is the call x: the same library calls on every rank
                 self._allreduce(*_flat_pair(sends[0], outs[0]), op)
             else:
                 self._allreduce_list(sends, outs, op)

@@ -71,13 +71,17 @@ class MpiCommunicator(Communicator):
         segment_bytes: int = SEGMENT_BYTES,
         **kwargs: Any,
     ) -> None:
+        self.pairwise_min_bytes = {**PAIRWISE_MIN_BYTES, **(pairwise_min_bytes or {})}
+        self.segment_bytes = segment_bytes
         super().__init__(connector, **kwargs)
         self._comm: MPI.Comm = connector.comm.Dup()
         self.staging = HostStaging(self._comm)  # CuPy arrays: CUDA-aware MPI or host copies
-        self.pairwise_min_bytes = {**PAIRWISE_MIN_BYTES, **(pairwise_min_bytes or {})}
-        self.segment_bytes = segment_bytes
         self._scratch: dict[np.dtype, np.ndarray] = {}
         self._lists = ListAllreduce(self._comm, UFUNCS)
+
+    def _call_settings(self) -> dict[str, Any]:
+        """See ``Communicator._call_settings``: where the pairwise exchange starts, its steps."""
+        return {"pairwise_min_bytes": self.pairwise_min_bytes, "segment_bytes": self.segment_bytes}
 
     def _async_p2p_problem(self, arrays: Any) -> str | None:
         first = arrays[0] if isinstance(arrays, (list, tuple)) and arrays else arrays
@@ -100,7 +104,9 @@ class MpiCommunicator(Communicator):
                 recv[...] = send
             return
         if self._library_reduces(send, "allreduce"):
-            self._comm.Allreduce(MPI.IN_PLACE if recv is send else send, recv, op=MPI_OPS[op])
+            if recv is not send:  # the standard asks every rank for MPI_IN_PLACE, or none
+                recv[...] = send
+            self._comm.Allreduce(MPI.IN_PLACE, recv, op=MPI_OPS[op])
             return
         bounds = chunk_bounds(send.size, self.size)
         self._pairwise_reduce(send, recv[bounds[self.rank] : bounds[self.rank + 1]], bounds, op)
@@ -132,9 +138,10 @@ class MpiCommunicator(Communicator):
             if address(recv) != address(send):
                 recv[...] = send
             return
-        in_place = (send.base is not None  # an array owning its memory lies in no other
-                    and address(send) == address(recv) + self.rank * send.nbytes)
-        self._comm.Allgather(MPI.IN_PLACE if in_place else send, recv)
+        mine = recv[self.rank * send.size : (self.rank + 1) * send.size]
+        if address(mine) != address(send):  # MPI_IN_PLACE on every rank, as the standard asks
+            mine[...] = send
+        self._comm.Allgather(MPI.IN_PLACE, recv)
 
     @staged("broadcast")
     def _broadcast(self, buf: np.ndarray, root: int) -> None:
@@ -154,8 +161,9 @@ class MpiCommunicator(Communicator):
                 recv[...] = total
             return
         if self.rank == root:
-            self._comm.Reduce(MPI.IN_PLACE if recv is send else send, recv, op=MPI_OPS[op],
-                              root=root)
+            if recv is not send:  # also when recv is send's memory under another object
+                recv[...] = send
+            self._comm.Reduce(MPI.IN_PLACE, recv, op=MPI_OPS[op], root=root)
         else:
             self._comm.Reduce(send, None, op=MPI_OPS[op], root=root)
 

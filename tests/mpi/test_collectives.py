@@ -341,6 +341,38 @@ def test_list_out_is_the_inputs_reordered(comm, connector, size):
         assert same_on_every_rank(connector, g)
 
 
+@pytest.mark.parametrize("kib", [1, 512, 20 * 1024])
+def test_one_array_or_a_list_of_it_alike(comm, connector, kib):
+    """[x] on some ranks and x on others is the same call: the same MPI calls, the same sums."""
+    inputs = [rank_input(kib, r, (kib * 128,), np.float64) for r in range(comm.size)]
+    mine = inputs[comm.rank].copy()
+    if comm.rank % 2:
+        got = comm.allreduce([mine], out=[mine])[0]
+    else:
+        got = comm.allreduce(mine, out=mine)
+    assert got is mine
+    assert_matches(got, reference(inputs, "sum"), comm.size)
+    assert same_on_every_rank(connector, got)
+
+
+def test_in_place_through_another_view_of_the_memory(comm, connector):
+    """out=x[:] is x's memory under another object: in place, on every library path."""
+    inputs = [rank_input(7, r, (3 * comm.size,), np.float64) for r in range(comm.size)]
+    x = inputs[comm.rank].copy()
+    got = comm.allreduce(x, out=x[:])
+    assert_matches(got, reference(inputs, "sum"), comm.size)
+    gathered = np.zeros(3 * comm.size * comm.size)
+    mine = gathered[comm.rank * x.size : (comm.rank + 1) * x.size]
+    mine[...] = x
+    comm.allgather(mine[:], out=gathered[:])
+    assert same_on_every_rank(connector, gathered)
+    np.testing.assert_array_equal(gathered[comm.rank * x.size : (comm.rank + 1) * x.size], x)
+    y = inputs[comm.rank].copy()
+    total = comm.reduce(y, root=0, out=y[:])
+    if comm.rank == 0:
+        assert_matches(total, reference(inputs, "sum"), comm.size)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_point_to_point_in_flight_beside_collectives(comm):
     """A send started before a collective must not be taken by the collective's internal
