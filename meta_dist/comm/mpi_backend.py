@@ -27,13 +27,14 @@ import numpy as np
 from mpi4py import MPI
 
 from meta_dist.comm.base import Communicator, address, memory_owner
-from meta_dist.comm.mpi_lists import ListAllreduce, chunk_bounds
+from meta_dist.comm.mpi_lists import ZERO_COPY_MIN_BYTES, ListAllreduce, chunk_bounds
 from meta_dist.comm.mpi_ops import (
     EXCHANGE_TAG,
     MPI_OPS,
     NUMPY_REDUCED_DTYPES,
     P2P_TAG,
     UFUNCS,
+    mpi_datatype,
 )
 from meta_dist.comm.staging import HostStaging, staged
 from meta_dist.connector import MPIConnector
@@ -41,7 +42,7 @@ from meta_dist.xp import gpu_count, select_device
 
 # Where the pairwise exchange starts to beat the library (2 ranks, Open MPI 5 and MPICH 5 wheels,
 # measured with scripts/distributed/bench_collectives.py): allreduce crosses over near 16 MiB
-# (8 MiB: library 1.6 ms, pairwise 2.1 ms; 32 MiB: 16.6 against 8.5 ms, Open MPI), since the
+# (16 MiB: pairwise 1.95 ms, library 2.02; 64 MiB: 13.1 against 23.5 ms, Open MPI), since the
 # library's allreduce is fast until its per-call scratch allocation dominates; an in-place
 # reduce_scatter already wins at 128 KiB (40 µs against 57 through the library's scratch and a
 # copy, Open MPI; 35 against 61, MPICH).
@@ -111,7 +112,7 @@ class MpiCommunicator(Communicator):
         bounds = chunk_bounds(send.size, self.size)
         self._pairwise_reduce(send, recv[bounds[self.rank] : bounds[self.rank + 1]], bounds, op)
         counts = [hi - lo for lo, hi in itertools.pairwise(bounds)]
-        self._comm.Allgatherv(MPI.IN_PLACE, [recv, counts, bounds[:-1], _mpi_type(recv)])
+        self._comm.Allgatherv(MPI.IN_PLACE, [recv, counts, bounds[:-1], mpi_datatype(recv.dtype)])
 
     @staged("reduce_scatter")
     def _reduce_scatter(self, send: np.ndarray, recv: np.ndarray, op: str) -> None:
@@ -188,13 +189,18 @@ class MpiCommunicator(Communicator):
         """Host lists are reduced in their output arrays, with few copies (``mpi_lists``).
 
         Whether a list is in place is each rank's own choice, and the MPI calls must not depend
-        on it: out of place, the inputs are first copied into the outputs (one copy, where
-        packing and unpacking cost two), and both ways reduce the outputs in place.
+        on it. Below ZERO_COPY_MIN_BYTES every list is one flat ``_allreduce`` of all its
+        elements, so out of place it is packed straight from the inputs. Above it, out of place
+        copies the inputs into the outputs (one copy, where packing and unpacking cost two) and
+        both ways reduce the outputs in place.
         """
         if self.size == 1 or type(sends[0]) is not np.ndarray:
             super()._allreduce_list(sends, outs, op)
             return
         if not all(map(operator.is_, outs, sends)):
+            if sum(s.nbytes for s in sends) < ZERO_COPY_MIN_BYTES:
+                super()._allreduce_list(sends, outs, op)
+                return
             self._copy_list(sends, outs)
         if not self._lists.run(outs, op, self._allreduce):
             super()._allreduce_list(outs, outs, op)
@@ -246,7 +252,3 @@ class MpiCommunicator(Communicator):
             self._scratch[dtype] = buf
         return buf
 
-
-def _mpi_type(arr: np.ndarray) -> MPI.Datatype:
-    """Return the MPI datatype of a numpy array's elements."""
-    return MPI._typedict[arr.dtype.char]

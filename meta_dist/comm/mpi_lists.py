@@ -38,7 +38,7 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
-from meta_dist.comm.mpi_ops import EXCHANGE_TAG
+from meta_dist.comm.mpi_ops import EXCHANGE_TAG, mpi_datatype
 
 CACHED_LISTS = 8
 # Measured with scripts/distributed/bench_fusion.py and per-size sweeps, 2 ranks, Open MPI 5:
@@ -108,7 +108,7 @@ class ListPlan:
 
     def _build(self, arrays: list[np.ndarray], bounds: list[int], rank: int,
                starts: list[int]) -> None:
-        basic = MPI._typedict[arrays[0].dtype.char]
+        basic = mpi_datatype(arrays[0].dtype)
         itemsize = arrays[0].itemsize
         for r in range(len(bounds) - 1):
             lo, hi = bounds[r], bounds[r + 1]

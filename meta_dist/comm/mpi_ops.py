@@ -12,6 +12,11 @@ UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "p
 # numpy and C wrap modulo 256; these dtypes are always reduced by numpy in the pairwise path.
 NUMPY_REDUCED_DTYPES = (np.dtype(np.uint8),)
 
+
+def mpi_datatype(dtype: np.dtype) -> MPI.Datatype:
+    """Return the predefined MPI datatype of a numpy dtype (for explicit buffer specs)."""
+    return MPI._typedict[dtype.char]
+
 # Tags on the backend's communicator. The pairwise reductions and the list exchange are built
 # from Sendrecv on the same communicator as the user's send/recv, which run on their own threads:
 # with one tag a collective's receive could take a message a user's send put in flight.

@@ -56,16 +56,12 @@ def test_settings_that_shape_the_calls_must_agree(connector):
     """check, and the MPI backend's thresholds, decide which MPI calls a collective makes: a rank
     that differs would hang its peers, so every rank refuses the communicator at construction."""
     with pytest.raises(ValueError, match=r"settings differ across ranks.*check"):
-        make_communicator("mpi", connector, check=comm_rank(connector) == 0)
+        make_communicator("mpi", connector, check=connector.rank == 0)
     with pytest.raises(ValueError, match=r"settings differ across ranks.*segment_bytes"):
-        make_communicator("mpi", connector, segment_bytes=4096 * (1 + comm_rank(connector)))
+        make_communicator("mpi", connector, segment_bytes=4096 * (1 + connector.rank))
     agreed = make_communicator("mpi", connector, check=False, segment_bytes=8192)
     np.testing.assert_array_equal(agreed.allreduce(np.ones(3)), np.full(3, connector.size))
     agreed.close()
-
-
-def comm_rank(connector):
-    return connector.rank
 
 
 @pytest.mark.mpi(min_size=2)
