@@ -110,7 +110,7 @@ class Communicator(ABC):
             The reduced array (or list of arrays), which is ``out`` when given.
         """
         if out is send and self._host_ready(send, op, _REDUCIBLE) and send.flags.writeable:
-            flat = _flat(send)
+            flat = flat_view(send)
             self._run_host("allreduce", send, op, -1, self._allreduce, flat, flat, op)
             self._average((send,), op)
             return send
@@ -140,8 +140,8 @@ class Communicator(ABC):
         if (type(out) is np.ndarray and self._host_ready(send, op, _SCATTERABLE) and send.ndim
                 and not send.shape[0] % self.size and self._host_out(out, send, _scatter_shape)):
             self._check_scatter_alias(send, out)
-            self._run_host("reduce_scatter", send, op, -1, self._reduce_scatter, _flat(send),
-                           _flat(out), op)
+            self._run_host("reduce_scatter", send, op, -1, self._reduce_scatter, flat_view(send),
+                           flat_view(out), op)
             self._average((out,), op)
             return out
         return self._sync(self._reduce_scatter_plan(send, op, out), "reduce_scatter")
@@ -165,7 +165,8 @@ class Communicator(ABC):
         """
         if (type(out) is np.ndarray and self._host_ready(send, "", _MOVABLE) and send.ndim
                 and self._host_out(out, send, _gather_shape)):
-            self._run_host("allgather", send, "", -1, self._allgather, _flat(send), _flat(out))
+            self._run_host("allgather", send, "", -1, self._allgather, flat_view(send),
+                           flat_view(out))
             return out
         return self._sync(self._allgather_plan(send, out), "allgather")
 
@@ -189,7 +190,7 @@ class Communicator(ABC):
         """
         if out is buf and self._host_ready(buf, "", _MOVABLE) and buf.flags.writeable:
             self._check_rank("broadcast", "root", root)
-            self._run_host("broadcast", buf, "", root, self._broadcast, _flat(buf), root)
+            self._run_host("broadcast", buf, "", root, self._broadcast, flat_view(buf), root)
             return buf
         return self._sync(self._broadcast_plan(buf, root, out), "broadcast")
 
@@ -326,7 +327,7 @@ class Communicator(ABC):
         def run() -> Any:
             self._fingerprint("reduce_scatter", sends, op=op)
             if not is_list:
-                self._reduce_scatter(_flat(sends[0]), _flat(outs[0]), op)
+                self._reduce_scatter(flat_view(sends[0]), flat_view(outs[0]), op)
             else:
                 # rank-major packing: rank r's segment holds row block r of every array
                 parts = [s.reshape(self.size, -1) for s in sends]
@@ -334,7 +335,7 @@ class Communicator(ABC):
                 seg = buf.size // self.size
                 mine = buf[self.rank * seg : (self.rank + 1) * seg]
                 self._reduce_scatter(buf, mine, op)
-                self._unpack(mine, outs)
+                unpack(mine, outs)
             self._average(outs, op)
             return outs if is_list else outs[0]
 
@@ -351,7 +352,7 @@ class Communicator(ABC):
         def run() -> Any:
             self._fingerprint("allgather", sends)
             if not is_list:
-                self._allgather(_flat(sends[0]), _flat(outs[0]))
+                self._allgather(flat_view(sends[0]), flat_view(outs[0]))
                 return outs[0]
             seg = sum(s.size for s in sends)
             buf = self._fusion_buffer(sends[0], seg * self.size, "allgather")
@@ -377,11 +378,11 @@ class Communicator(ABC):
             if not is_list:
                 if outs[0] is not bufs[0] and self.rank == root:
                     outs[0][...] = bufs[0]
-                self._broadcast(_flat(outs[0]), root)
+                self._broadcast(flat_view(outs[0]), root)
             else:
                 fused = self._pack(bufs, "broadcast")
                 self._broadcast(fused, root)
-                self._unpack(fused, outs)
+                unpack(fused, outs)
             return outs if is_list else outs[0]
 
         return run
@@ -398,12 +399,12 @@ class Communicator(ABC):
             self._fingerprint("reduce", sends, op=op, root=root)
             if not is_list:
                 self._reduce(*(_flat_pair(sends[0], outs[0]) if is_root else
-                               (_flat(sends[0]), None)), op, root)
+                               (flat_view(sends[0]), None)), op, root)
             else:
                 buf = self._pack(sends, "reduce")
                 self._reduce(buf, buf if is_root else None, op, root)
                 if is_root:
-                    self._unpack(buf, outs)
+                    unpack(buf, outs)
             if not is_root:
                 return None
             self._average(outs, op)
@@ -421,7 +422,7 @@ class Communicator(ABC):
                                    shape_code([s.shape for s in sends])], np.int64)
                 self._check_comm.Send(header, dest=peer)
             if not is_list:
-                self._send(_flat(sends[0]), peer)
+                self._send(flat_view(sends[0]), peer)
             else:  # its own buffer: a send may run beside a collective on another thread
                 total = sum(s.size for s in sends)
                 self._send(self._pack(sends, "send", into=array_module(sends[0]).empty(
@@ -452,11 +453,11 @@ class Communicator(ABC):
                         "must use the same shapes and dtype"
                     )
             if not is_list:
-                self._recv(_flat(outs[0]), peer)
+                self._recv(flat_view(outs[0]), peer)
             else:
                 buf = array_module(outs[0]).empty(total, outs[0].dtype)  # not the shared one
                 self._recv(buf, peer)
-                self._unpack(buf, outs)
+                unpack(buf, outs)
             return outs if is_list else outs[0]
 
         return run
@@ -602,22 +603,14 @@ class Communicator(ABC):
         # a fresh fused result would be first-touched page by page (measured 4x slower)
         buf = self._pack(sends, "allreduce")
         self._allreduce(buf, buf, op)
-        self._unpack(buf, outs)
+        unpack(buf, outs)
 
     def _pack(self, arrays: list[Any], api: str, into: Any = None) -> Any:
         total = sum(a.size for a in arrays)
         buf = self._fusion_buffer(arrays[0], total, api) if into is None else into
         xp = array_module(arrays[0])
-        xp.concatenate([a if a.ndim == 1 else a.reshape(-1) for a in arrays], out=buf)
+        xp.concatenate([flat_view(a) for a in arrays], out=buf)
         return buf
-
-    @staticmethod
-    def _unpack(buf: Any, outs: list[Any]) -> None:
-        start = 0
-        for o in outs:
-            stop = start + o.size
-            (o if o.ndim == 1 else o.reshape(-1))[...] = buf[start:stop]
-            start = stop
 
     def _average(self, outs: list[Any], op: str) -> None:
         """Divide sums by size for op "avg": the only place gradients get averaged."""
@@ -780,13 +773,22 @@ def memory_owner(arr: Any) -> Any:
 
 def _flat_pair(send: Any, out: Any) -> tuple[Any, Any]:
     """Return flat views of send and out; the same object when out is send (in place)."""
-    flat = _flat(send)
-    return (flat, flat) if out is send else (flat, _flat(out))
+    flat = flat_view(send)
+    return (flat, flat) if out is send else (flat, flat_view(out))
 
 
-def _flat(arr: Any) -> Any:
+def flat_view(arr: Any) -> Any:
     """Return a 1-D view of a contiguous array (no copy)."""
     return arr if arr.ndim == 1 else arr.reshape(-1)
+
+
+def unpack(buf: Any, outs: list[Any]) -> None:
+    """Copy a flat buffer into contiguous arrays, one after another (numpy or CuPy)."""
+    start = 0
+    for o in outs:
+        stop = start + o.size
+        flat_view(o)[...] = buf[start:stop]
+        start = stop
 
 
 def _scatter_shape(shape: tuple[int, ...], size: int) -> tuple[int, ...]:

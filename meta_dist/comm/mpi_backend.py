@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from meta_dist.comm.base import Communicator, address, memory_owner
+from meta_dist.comm.base import Communicator, address, memory_owner, unpack
 from meta_dist.comm.mpi_lists import ZERO_COPY_MIN_BYTES, ListAllreduce, chunk_bounds
 from meta_dist.comm.mpi_ops import (
     EXCHANGE_TAG,
@@ -186,13 +186,14 @@ class MpiCommunicator(Communicator):
         self._comm.Free()
 
     def _allreduce_list(self, sends: list[Any], outs: list[Any], op: str) -> None:
-        """Host lists are reduced in their output arrays, with few copies (``mpi_lists``).
+        """Host lists are reduced with few copies (``mpi_lists``).
 
         Whether a list is in place is each rank's own choice, and the MPI calls must not depend
         on it. Below ZERO_COPY_MIN_BYTES every list is one flat ``_allreduce`` of all its
-        elements, so out of place it is packed straight from the inputs. Above it, out of place
-        copies the inputs into the outputs (one copy, where packing and unpacking cost two) and
-        both ways reduce the outputs in place.
+        elements, so out of place it is packed straight from the inputs. Above it, the list
+        exchange reads the inputs and writes the outputs, unless an output is another input's
+        memory: then the inputs are copied into the outputs first (through the fusion buffer,
+        so every input is read before any output is written) and reduced there in place.
         """
         if self.size == 1 or type(sends[0]) is not np.ndarray:
             super()._allreduce_list(sends, outs, op)
@@ -201,17 +202,12 @@ class MpiCommunicator(Communicator):
             if sum(s.nbytes for s in sends) < ZERO_COPY_MIN_BYTES:
                 super()._allreduce_list(sends, outs, op)
                 return
-            self._copy_list(sends, outs)
-        if not self._lists.run(outs, op, self._allreduce):
-            super()._allreduce_list(outs, outs, op)
-
-    def _copy_list(self, sends: list[np.ndarray], outs: list[np.ndarray]) -> None:
-        """Copy each input into its output; through the fusion buffer if their memory is shared."""
-        if {id(memory_owner(s)) for s in sends}.isdisjoint(id(memory_owner(o)) for o in outs):
-            for s, o in zip(sends, outs, strict=True):
-                o[...] = s
-        else:  # an output may be another input: read every input before writing any
-            self._unpack(self._pack(sends, "allreduce"), outs)
+            owners = {id(memory_owner(s)) for s in sends}
+            if not owners.isdisjoint(id(memory_owner(o)) for o in outs):
+                unpack(self._pack(sends, "allreduce"), outs)
+                sends = outs
+        if not self._lists.run(sends, outs, op, self._allreduce):
+            super()._allreduce_list(sends, outs, op)
 
     # ---------------------------------------------------------------- the pairwise reduction
 

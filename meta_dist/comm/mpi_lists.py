@@ -1,27 +1,30 @@
-"""Allreduce of a list of numpy arrays in place, with as few copies as the layout allows.
+"""Allreduce of a list of numpy arrays, with as few copies as the layout allows.
 
-Imports numpy, mpi4py and meta_dist.comm.mpi_ops; the MPI backend passes its flat allreduce in.
-Packing a list into a fusion buffer and unpacking it again costs two full copies of the data;
-these cases avoid them:
+Imports numpy, mpi4py, meta_dist.comm.base (two array helpers) and meta_dist.comm.mpi_ops;
+the MPI backend passes its flat allreduce in. Packing a list into a fusion buffer and
+unpacking it again costs two full copies of the data; these cases avoid them:
 
 - Arrays laid out back to back in memory (views of one buffer, as
   ``meta_dist.contiguous_arrays`` makes them, the way DDP's gradient_as_bucket_view and
-  DeepSpeed's contiguous gradients lay out gradients) are one run of memory: reduced as one
-  flat array, with no copy at all.
-- From ZERO_COPY_MIN_BYTES, arrays of ALONE_MIN_BYTES or more are reduced one by one in place:
-  a library call that size is bandwidth-bound already, and fusing them was slower than the
-  raw per-array calls (33 MiB of 1.6K–80K-element arrays: 14.6 ms fused, 10.6 ms raw).
+  DeepSpeed's contiguous gradients lay out gradients) are one run of memory: reduced in place
+  as one flat array, with no copy at all.
+- From ZERO_COPY_MIN_BYTES, arrays of ALONE_MIN_BYTES or more are reduced one by one: a
+  library call that size is bandwidth-bound already, and fusing them was slower than the
+  raw per-array calls (33 MiB of 1.6K-80K-element arrays: 14.6 ms fused, 10.6 ms raw).
 - The other arrays of such a list move through MPI derived datatypes (hindexed over their
-  absolute addresses) straight between the caller's arrays. MPI refuses to reduce on a derived
-  datatype (MPI_ERR_OP in Open MPI and MPICH), so they form one virtual buffer split into a
-  chunk per rank: each rank sends every peer that peer's chunk from the arrays, adds what it
-  receives into its own chunk (numpy), then sends its reduced chunk to every peer, which
-  receives it straight into its arrays.
+  absolute addresses) straight out of the caller's input arrays. MPI refuses to reduce on a
+  derived datatype (MPI_ERR_OP in Open MPI and MPICH), so they form one virtual buffer split
+  into a chunk per rank: each rank sends every peer that peer's chunk from the arrays and adds
+  what it receives into its own chunk (numpy), then sends its reduced chunk to every peer.
+  In place, the sums go straight into the arrays and the second exchange moves between
+  them. Out of place, the rank's chunk is packed once and summed in that buffer, and what comes
+  back is unpacked into the outputs: the plan is the inputs', which a caller passes again
+  and again, while outputs are new arrays each call (``out=None``).
 
 Below ZERO_COPY_MIN_BYTES a list that is not adjacent is left to the caller, which packs it:
 one library call then has the lower latency. Every choice that shapes the MPI calls depends on
 sizes (the same on every rank) or on a flag the ranks agree on, since one rank's list may be
-adjacent where another's is not.
+adjacent where another's is not, and one rank may reduce in place where another does not.
 
 A numpy array's data never moves, so what is learned about a list (its layout, its datatypes)
 is kept for a few lists, least recently used first out, and reused while the same array objects
@@ -31,6 +34,7 @@ new array at a recycled ``id`` from the same one.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -38,6 +42,7 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
+from meta_dist.comm.base import flat_view, unpack
 from meta_dist.comm.mpi_ops import EXCHANGE_TAG, mpi_datatype
 
 CACHED_LISTS = 8
@@ -81,11 +86,14 @@ class ListPlan:
             skip = set(self.alone)
             self.fused = [i for i in range(len(arrays)) if i not in skip]
         self.types: list[MPI.Datatype] = []
-        # This rank's chunk of the fused arrays, as indices into them, never views of the
-        # caller's arrays (the cache must not keep them alive): fused arrays
-        # whole_lo..whole_hi lie wholly in it, each added from the matching view in
-        # whole_gots; the (at most two) arrays cut by its edges are in partial as
-        # (index, first, last, view of got).
+        # Each rank's chunk of the fused arrays as pieces (index, first, last, whole): elements
+        # first..last of fused array index, whole if that is all of it. Indices, never views of
+        # the caller's arrays: the cache must not keep them alive.
+        self.bounds: list[int] = []
+        self.pieces: list[list[tuple[int, int, int, bool]]] = []
+        # This rank's chunk again, for adding in place: fused arrays whole_lo..whole_hi lie
+        # wholly in it, each added from the matching view in whole_gots; the (at most two)
+        # arrays cut by its edges are in partial as (index, first, last, view of got).
         self.whole_lo = self.whole_hi = 0
         self.whole_gots: list[np.ndarray] = []
         self.partial: list[tuple[int, int, int, np.ndarray]] = []
@@ -93,11 +101,11 @@ class ListPlan:
         if self.small or not fused:
             return
         sizes = [a.size for a in fused]
-        bounds = chunk_bounds(sum(sizes), size)
-        self.got = receive(arrays[0].dtype, bounds[rank + 1] - bounds[rank])
+        self.bounds = chunk_bounds(sum(sizes), size)
+        self.got = receive(arrays[0].dtype, self.bounds[1])  # chunk 0 is the longest
         starts = np.cumsum([0] + sizes[:-1]).tolist()
         try:
-            self._build(fused, bounds, rank, starts)
+            self._build(fused, rank, starts)
         except BaseException:
             self.free()  # the datatypes made before the failure
             raise
@@ -106,13 +114,13 @@ class ListPlan:
         """Return the arrays of ``arrays`` that move fused."""
         return arrays if self.fused is None else [arrays[i] for i in self.fused]
 
-    def _build(self, arrays: list[np.ndarray], bounds: list[int], rank: int,
-               starts: list[int]) -> None:
+    def _build(self, arrays: list[np.ndarray], rank: int, starts: list[int]) -> None:
         basic = mpi_datatype(arrays[0].dtype)
         itemsize = arrays[0].itemsize
+        bounds = self.bounds
         for r in range(len(bounds) - 1):
             lo, hi = bounds[r], bounds[r + 1]
-            lengths, addresses = [], []
+            lengths, addresses, pieces = [], [], []
             for i, (a, start) in enumerate(zip(arrays, starts, strict=True)):
                 first, last = max(lo, start), min(hi, start + a.size)
                 if first >= last:
@@ -123,8 +131,10 @@ class ListPlan:
                 else:
                     lengths.append(last - first)
                     addresses.append(address)
+                pieces.append((i, first - start, last - start, last - first == a.size))
                 if r == rank:
                     self._add_piece(i, first - start, last - start, a.size, first - lo)
+            self.pieces.append(pieces)
             datatype = basic.Create_hindexed(lengths, addresses)
             datatype.Commit()
             self.types.append(datatype)
@@ -143,6 +153,15 @@ class ListPlan:
         """Return True while every array the plan was built for lives (then the ids match)."""
         return self.alive[0]
 
+    def chunk(self, r: int) -> int:
+        """Return how many elements rank ``r``'s chunk of the fused arrays holds."""
+        return self.bounds[r + 1] - self.bounds[r]
+
+    def views(self, fused: list[np.ndarray], r: int) -> list[np.ndarray]:
+        """Return rank ``r``'s chunk of the fused arrays (laid out like these) as flat views."""
+        return [flat_view(fused[i]) if whole else flat_view(fused[i])[first:last]
+                for i, first, last, whole in self.pieces[r]]
+
     def add_into(self, fused: list[np.ndarray], ufunc: np.ufunc) -> None:
         """Reduce what ``got`` holds into this rank's pieces of the fused arrays, in place."""
         for a, g in zip(fused[self.whole_lo : self.whole_hi], self.whole_gots, strict=True):
@@ -150,8 +169,7 @@ class ListPlan:
                 a = a.reshape(-1)
             ufunc(a, g, out=a)
         for i, first, last, g in self.partial:
-            a = fused[i]
-            piece = (a if a.ndim == 1 else a.reshape(-1))[first:last]
+            piece = flat_view(fused[i])[first:last]
             ufunc(piece, g, out=piece)
 
     def free(self) -> None:
@@ -162,7 +180,7 @@ class ListPlan:
 
 
 class ListAllreduce:
-    """In-place allreduce of lists of numpy arrays over a communicator, with few copies.
+    """Allreduce of lists of numpy arrays over a communicator, with few copies.
 
     Args:
         comm: the backend's MPI communicator.
@@ -174,45 +192,82 @@ class ListAllreduce:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self._plans: OrderedDict[tuple[int, ...], ListPlan] = OrderedDict()
         self._got: dict[np.dtype, np.ndarray] = {}  # receive buffers, shared by the plans
+        self._packed: dict[np.dtype, np.ndarray] = {}  # this rank's chunk, out of place
         self._flag = np.empty(1, np.int32)
 
-    def run(self, arrays: list[np.ndarray], op: str, reduce_flat: FlatReduce) -> bool:
-        """Reduce ``arrays`` in place across ranks unless packing is better; say whether it did.
+    def run(self, sends: list[np.ndarray], outs: list[np.ndarray], op: str,
+            reduce_flat: FlatReduce) -> bool:
+        """Reduce ``sends`` into ``outs`` across ranks unless packing is better; say whether.
 
+        ``outs`` is ``sends`` itself (in place) or arrays sharing no memory with them.
         ``reduce_flat`` is the backend's allreduce of one flat array. A small list is reduced
-        here only if its arrays are adjacent, with the same ``reduce_flat`` call the caller makes
-        on a packed buffer; otherwise this returns False and the caller packs. A larger list
-        is reduced as one flat array if every rank's list is adjacent (one small allreduce
-        decides), else as described in the module docstring. Collective.
+        here only in place and if its arrays are adjacent, with the same ``reduce_flat`` call the
+        caller makes on a packed buffer; otherwise this returns False and the caller packs. A
+        larger list is one flat array if every rank's list is adjacent (one small allreduce
+        decides; out of place the caller packs it), else it moves as described in the module
+        docstring. Collective.
         """
-        plan = self._plan(arrays)
+        plan = self._plan(sends)
+        in_place = outs is sends or all(map(operator.is_, outs, sends))
         if plan.small:
-            if not plan.adjacent:
+            if not (in_place and plan.adjacent):
                 return False
-            reduce_flat(*_run_of(arrays, plan.numel), op)
+            reduce_flat(*_run_of(sends, plan.numel), op)
             return True
         if self._everywhere(plan.adjacent):
-            reduce_flat(*_run_of(arrays, plan.numel), op)
+            if not in_place:
+                return False
+            reduce_flat(*_run_of(sends, plan.numel), op)
             return True
         for i in plan.alone:
-            a = arrays[i] if arrays[i].ndim == 1 else arrays[i].reshape(-1)
-            reduce_flat(a, a, op)
+            reduce_flat(flat_view(sends[i]), flat_view(outs[i]), op)
         if plan.types:
-            self._exchange(plan, plan.fused_arrays(arrays), op)
+            fused_sends = plan.fused_arrays(sends)
+            if in_place:
+                self._exchange_in_place(plan, fused_sends, op)
+            else:
+                self._exchange(plan, fused_sends, plan.fused_arrays(outs), op)
         return True
 
-    def _exchange(self, plan: ListPlan, fused: list[np.ndarray], op: str) -> None:
+    def _exchange_in_place(self, plan: ListPlan, fused: list[np.ndarray], op: str) -> None:
         rank, size, ufunc = self.rank, self.size, self.ufuncs[op]
+        got = plan.got[: plan.chunk(rank)]
         for k in range(1, size):  # reduce-scatter: my chunk gathers every rank's part
             to, frm = (rank + k) % size, (rank - k) % size
             self.comm.Sendrecv([MPI.BOTTOM, 1, plan.types[to]], dest=to, sendtag=EXCHANGE_TAG,
-                               recvbuf=plan.got, source=frm, recvtag=EXCHANGE_TAG)
+                               recvbuf=got, source=frm, recvtag=EXCHANGE_TAG)
             plan.add_into(fused, ufunc)
         for k in range(1, size):  # allgather: my reduced chunk to everyone, theirs to me
             to, frm = (rank + k) % size, (rank - k) % size
             self.comm.Sendrecv([MPI.BOTTOM, 1, plan.types[rank]], dest=to, sendtag=EXCHANGE_TAG,
                                recvbuf=[MPI.BOTTOM, 1, plan.types[frm]], source=frm,
                                recvtag=EXCHANGE_TAG)
+
+    def _exchange(self, plan: ListPlan, sends: list[np.ndarray], outs: list[np.ndarray],
+                  op: str) -> None:
+        """The exchange out of place: the same messages as in place, summed in a packed chunk.
+
+        The first exchange sends from the inputs' datatypes, as in place; this rank's chunk is
+        packed once and the parts received are added to it (one ufunc call each). Its reduced
+        chunk then goes out contiguous, and every chunk is unpacked into the outputs.
+        """
+        rank, size, ufunc = self.rank, self.size, self.ufuncs[op]
+        mine = self._packed_buffer(sends[0].dtype, plan.chunk(rank))
+        if mine.size:
+            np.concatenate(plan.views(sends, rank), out=mine)
+        got = plan.got[: mine.size]
+        for k in range(1, size):
+            to, frm = (rank + k) % size, (rank - k) % size
+            self.comm.Sendrecv([MPI.BOTTOM, 1, plan.types[to]], dest=to, sendtag=EXCHANGE_TAG,
+                               recvbuf=got, source=frm, recvtag=EXCHANGE_TAG)
+            ufunc(mine, got, out=mine)
+        for k in range(1, size):
+            to, frm = (rank + k) % size, (rank - k) % size
+            theirs = plan.got[: plan.chunk(frm)]
+            self.comm.Sendrecv(mine, dest=to, sendtag=EXCHANGE_TAG, recvbuf=theirs, source=frm,
+                               recvtag=EXCHANGE_TAG)
+            unpack(theirs, plan.views(outs, frm))
+        unpack(mine, plan.views(outs, rank))
 
     def _everywhere(self, flag: bool) -> bool:
         """Return True on every rank if ``flag`` is True on every rank. Collective."""
@@ -242,12 +297,20 @@ class ListAllreduce:
             got = self._got[dtype] = np.empty(numel, dtype)
         return got[:numel]
 
+    def _packed_buffer(self, dtype: np.dtype, numel: int) -> np.ndarray:
+        """Return the reused buffer this rank's chunk is summed in out of place."""
+        packed = self._packed.get(dtype)
+        if packed is None or packed.size < numel:
+            packed = self._packed[dtype] = np.empty(numel, dtype)
+        return packed[:numel]
+
     def clear(self) -> None:
-        """Free every cached datatype and receive buffer."""
+        """Free every cached datatype and buffer."""
         for plan in self._plans.values():
             plan.free()
         self._plans.clear()
         self._got.clear()
+        self._packed.clear()
 
 
 def _adjacent(arrays: list[np.ndarray]) -> bool:
@@ -270,8 +333,7 @@ def _run_of(arrays: list[np.ndarray], numel: int) -> tuple[np.ndarray, np.ndarra
     _adjacent found to be one run, so it reaches no byte outside them.
     """
     first = next((a for a in arrays if a.size), arrays[0])
-    flat = first if first.ndim == 1 else first.reshape(-1)
-    run = np.lib.stride_tricks.as_strided(flat, shape=(numel,))
+    run = np.lib.stride_tricks.as_strided(flat_view(first), shape=(numel,))
     return run, run
 
 

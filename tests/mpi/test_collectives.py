@@ -326,6 +326,35 @@ def test_list_in_place_on_some_ranks_only(comm, connector, size):
             np.testing.assert_array_equal(a, x)  # out of place: the inputs are untouched
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int64"])
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+@pytest.mark.parametrize("layout", ["separate", "adjacent"])
+def test_large_list_out_of_place(comm, connector, dtype, op, layout):
+    """Out of place, a large list is read from the inputs and written to new arrays (out=None)
+    or to given ones; the inputs stay as they were, and a second call reuses the inputs' plan
+    however new the outputs are. Odd sizes cut arrays at the chunk edges; 2-D arrays too."""
+    if not valid(op, dtype):
+        pytest.skip("avg needs a floating dtype")
+    shapes = [(7,), (301, 13), (1,), (60001,), (5003,), (0,), (9, 1001)]  # > 256 KiB
+    mine = _laid_out(layout, shapes, dtype)
+    for round_ in range(2):
+        inputs = [[rank_input(round_ * 10 + i, r, shape, dtype, op)
+                   for i, shape in enumerate(shapes)] for r in range(comm.size)]
+        for a, x in zip(mine, inputs[comm.rank], strict=True):
+            a[...] = x
+        given = [np.full(shape, 99, dtype) for shape in shapes]
+        for got in (comm.allreduce(mine, op), comm.allreduce(mine, op, out=given)):
+            for i, g in enumerate(got):
+                assert_matches(g, reference([inputs[r][i] for r in range(comm.size)], op),
+                               comm.size)
+                assert same_on_every_rank(connector, g)
+        assert all(g is o for g, o in zip(got, given, strict=True))
+        for a, x in zip(mine, inputs[comm.rank], strict=True):
+            np.testing.assert_array_equal(a, x)
+    if comm.size > 1:  # one rank reduces nothing
+        assert len(comm._lists._plans) == 1  # one plan, the inputs', for all four calls
+
+
 @pytest.mark.parametrize("size", ["small", "large"])
 def test_list_out_is_the_inputs_reordered(comm, connector, size):
     """out may name the input arrays in another order: every input is read before any output
