@@ -104,6 +104,16 @@ def test_collective_before_init_says_how_to_start():
             "meta_dist.distributed.get_context() first") in result.output, str(result)
 
 
+def test_async_refused_without_thread_multiple():
+    result = run(2, ["tests/scripts/serialized_mpi.py"], timeout=120)
+    assert result.returncode == 0, str(result)
+    assert result.output.count("blocking allreduce: [2.0, 2.0, 2.0]") == 2, str(result)
+    for api in ("allreduce_async", "send_async"):
+        assert result.output.count(
+            f"refused: {api}: MPI was initialised with thread level 'serialized'") == 2, str(result)
+    assert "accepted" not in result.output, str(result)
+
+
 def test_dist_example_trains_on_a_users_npz(tmp_path):
     import numpy as np
 

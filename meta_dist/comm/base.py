@@ -91,6 +91,7 @@ class Communicator(ABC):
         self._fusion: dict[tuple[Any, np.dtype], Any] = {}
         self._worker = OrderedWorker(on_start=self._worker_started)
         self._p2p: dict[tuple[str, int], OrderedWorker] = {}  # (send|recv, peer) -> its thread
+        self._thread_level = MPI.Query_thread()  # the same on every rank of one launch
         self.closed = False
 
     # ---------------------------------------------------------------- public collectives
@@ -668,7 +669,21 @@ class Communicator(ABC):
             watchdog.leave()
 
     def _submit(self, run: Callable[[], Any], api: str = "collective") -> Handle:
+        self._check_threads(api)
         return self._worker.submit(self._watched(run, api))
+
+    def _check_threads(self, api: str) -> None:
+        """Refuse work on a communication thread unless MPI allows calls from any thread."""
+        if self._thread_level < MPI.THREAD_MULTIPLE:
+            names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+                     MPI.THREAD_SERIALIZED: "serialized"}
+            raise RuntimeError(
+                f"{api}_async: MPI was initialised with thread level "
+                f"{names.get(self._thread_level, self._thread_level)!r}, and the async "
+                "collectives (and the trainer's overlap_comm) call MPI from a communication "
+                "thread, which needs 'multiple'; leave mpi4py.rc.thread_level at its default "
+                "('multiple') before MPI starts, or call the blocking collective (overlap_comm: "
+                "false in meta_dist_config)")
 
     def _watched(self, run: Callable[[], Any], api: str) -> Callable[[], Any]:
         """Wrap ``run`` so the stall watchdog sees it (for the communication threads)."""
@@ -693,6 +708,7 @@ class Communicator(ABC):
         return self._sync(run, api)
 
     def _p2p_submit(self, run: Callable[[], Any], api: str, peer: int, arrays: Any) -> Handle:
+        self._check_threads(api)
         problem = self._async_p2p_problem(arrays)
         if problem is not None:
             raise NotImplementedError(f"{api}_async: {problem}; use the blocking {api} (pair "
