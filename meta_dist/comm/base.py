@@ -9,6 +9,7 @@ backend implements only the ``_allreduce``-style primitives on flat, contiguous 
 
 from __future__ import annotations
 
+import functools
 import operator
 import os
 from abc import ABC, abstractmethod
@@ -32,7 +33,29 @@ _REDUCIBLE = frozenset((op, d) for op in REDUCE_OPS for d in DTYPES if op != "av
 _SCATTERABLE = frozenset(pair for pair in _REDUCIBLE if pair[0] in SCATTER_OPS)
 _MOVABLE = frozenset(("", d) for d in DTYPES)  # operations without an op: any dtype
 _OP_CODES = {op: i for i, op in enumerate((*REDUCE_OPS, ""))}
+_Plan = Callable[..., Callable[[], Any]]
 DEFAULT_STALL_TIMEOUT_S = 300.0
+
+
+def _refused_everywhere(api: str) -> Callable[[_Plan], _Plan]:
+    """Make a collective's plan method tell the peers when it refuses this rank's arguments.
+
+    The arguments are checked on each rank before the cross-rank check; a bad one on some ranks
+    only (a read-only ``out`` here, say) would leave the others waiting in the check. With this,
+    they raise there at once, naming the refusal (see ``ConsistencyCheck.refuse``).
+    """
+    def wrap(make_plan: _Plan) -> _Plan:
+        @functools.wraps(make_plan)
+        def planned(self: Communicator, *args: Any) -> Callable[[], Any]:
+            try:
+                return make_plan(self, *args)
+            except (TypeError, ValueError) as error:
+                self._tell_peers(api, error)
+                raise
+
+        return planned
+
+    return wrap
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -139,8 +162,8 @@ class Communicator(ABC):
             This rank's part (or a list of parts).
         """
         if (type(out) is np.ndarray and self._host_ready(send, op, _SCATTERABLE) and send.ndim
-                and not send.shape[0] % self.size and self._host_out(out, send, _scatter_shape)):
-            self._check_scatter_alias(send, out)
+                and not send.shape[0] % self.size and self._host_out(out, send, _scatter_shape)
+                and not self._scatter_overlap(send, out)):
             self._run_host("reduce_scatter", send, op, -1, self._reduce_scatter, flat_view(send),
                            flat_view(out), op)
             self._average((out,), op)
@@ -189,8 +212,8 @@ class Communicator(ABC):
         Returns:
             Root's array (or list), which is ``out`` when given.
         """
-        if out is buf and self._host_ready(buf, "", _MOVABLE) and buf.flags.writeable:
-            self._check_rank("broadcast", "root", root)
+        if (out is buf and self._host_ready(buf, "", _MOVABLE) and buf.flags.writeable
+                and self._rank_ok(root)):
             self._run_host("broadcast", buf, "", root, self._broadcast, flat_view(buf), root)
             return buf
         return self._sync(self._broadcast_plan(buf, root, out), "broadcast")
@@ -293,6 +316,7 @@ class Communicator(ABC):
 
     # ---------------------------------------------------------- plans (validate now, run later)
 
+    @_refused_everywhere("allreduce")
     def _allreduce_plan(self, send: Any, op: str, out: Any) -> Callable[[], Any]:
         sends, is_list = self._inputs("allreduce", send)
         self._check_op("allreduce", op, REDUCE_OPS, sends[0].dtype)
@@ -309,6 +333,7 @@ class Communicator(ABC):
 
         return run
 
+    @_refused_everywhere("reduce_scatter")
     def _reduce_scatter_plan(self, send: Any, op: str, out: Any) -> Callable[[], Any]:
         sends, is_list = self._inputs("reduce_scatter", send)
         self._check_op("reduce_scatter", op, SCATTER_OPS, sends[0].dtype)
@@ -342,6 +367,7 @@ class Communicator(ABC):
 
         return run
 
+    @_refused_everywhere("allgather")
     def _allgather_plan(self, send: Any, out: Any) -> Callable[[], Any]:
         sends, is_list = self._inputs("allgather", send)
         for s in sends:
@@ -369,6 +395,7 @@ class Communicator(ABC):
 
         return run
 
+    @_refused_everywhere("broadcast")
     def _broadcast_plan(self, buf: Any, root: int, out: Any) -> Callable[[], Any]:
         bufs, is_list = self._inputs("broadcast", buf)
         self._check_rank("broadcast", "root", root)
@@ -388,6 +415,7 @@ class Communicator(ABC):
 
         return run
 
+    @_refused_everywhere("reduce")
     def _reduce_plan(self, send: Any, root: int, op: str, out: Any) -> Callable[[], Any]:
         sends, is_list = self._inputs("reduce", send)
         self._check_rank("reduce", "root", root)
@@ -559,18 +587,21 @@ class Communicator(ABC):
                 "pass out=None or a writeable copy"
             )
 
-    def _check_scatter_alias(self, send: Any, out: Any) -> None:
-        """In place means exactly this rank's rows of ``send``; any other overlap is refused."""
+    def _scatter_overlap(self, send: Any, out: Any) -> bool:
+        """Return True if ``out`` overlaps ``send`` elsewhere than this rank's rows."""
         if memory_owner(send) is not memory_owner(out):  # separate allocations: ~0.2 µs
-            return
+            return False
         start, offset = address(send), address(out)
         if offset == start + self.rank * out.nbytes:
-            return  # exactly this rank's rows: in place
-        if offset + out.nbytes <= start or start + send.nbytes <= offset:
-            return  # the same allocation, but no overlap
-        raise ValueError(
-            "reduce_scatter: out overlaps send elsewhere than this rank's rows; expected out to "
-            f"be send[{self.rank}*m:({self.rank}+1)*m] (in place) or separate memory")
+            return False  # exactly this rank's rows: in place
+        return not (offset + out.nbytes <= start or start + send.nbytes <= offset)
+
+    def _check_scatter_alias(self, send: Any, out: Any) -> None:
+        """In place means exactly this rank's rows of ``send``; any other overlap is refused."""
+        if self._scatter_overlap(send, out):
+            raise ValueError(
+                "reduce_scatter: out overlaps send elsewhere than this rank's rows; expected out "
+                f"to be send[{self.rank}*m:({self.rank}+1)*m] (in place) or separate memory")
 
     def _check_op(self, api: str, op: str, allowed: tuple[str, ...], dtype: np.dtype) -> None:
         if op not in allowed:
@@ -581,8 +612,11 @@ class Communicator(ABC):
                 "or convert to float"
             )
 
+    def _rank_ok(self, value: Any) -> bool:
+        return isinstance(value, (int, np.integer)) and 0 <= value < self.size
+
     def _check_rank(self, api: str, what: str, value: int) -> None:
-        if not isinstance(value, (int, np.integer)) or not 0 <= value < self.size:
+        if not self._rank_ok(value):
             raise ValueError(
                 f"{api}: {what} out of range; got {value}, expected 0 <= {what} < {self.size}"
             )
@@ -624,6 +658,16 @@ class Communicator(ABC):
         if self.size > 1 and self.check:
             self._consistency.verify(api, arrays, DTYPES, _OP_CODES[op], root)
 
+    def _tell_peers(self, api: str, error: Exception) -> None:
+        """Meet the peers in the check of ``api``, whose arguments this rank refused.
+
+        They raise there too, instead of waiting for this rank (when the check is on).
+        Collective.
+        """
+        if self.size > 1 and self.check and not self.closed:
+            reason = f"{type(error).__name__}: {error}"
+            self._sync(lambda: self._consistency.refuse(api, reason), api)
+
     # ---------------------------------------------------------------- running now or on the worker
 
     # The fast path: one numpy array that the general plan would accept unchanged goes
@@ -645,7 +689,11 @@ class Communicator(ABC):
     def _run_host(self, api: str, arr: np.ndarray, op: str, root: int,
                   primitive: Callable[..., None], *args: Any) -> None:
         """Run ``primitive(*args)`` now, checked and watched as ``_sync`` would."""
-        self._check_arrays(api, [arr])  # the backend may refuse host arrays (NCCL does)
+        try:
+            self._check_arrays(api, [arr])  # the backend may refuse host arrays (NCCL does)
+        except (TypeError, ValueError) as error:
+            self._tell_peers(api, error)
+            raise
         watchdog = self._watchdog
         if watchdog is not None:
             watchdog.enter(api)

@@ -3,6 +3,8 @@
 Imports numpy, mpi4py and meta_dist.xp. The ranks compare a fingerprint of (operation, op,
 root, dtype, shapes, array kind) with one small allreduce (max of x and of -x gives max and min
 at once); on a difference every rank raises the same ValueError listing each rank's arrays. A
+rank that refused its own arguments sends a pair no call has, so its peers fail the same call
+at once instead of waiting for it. A
 watchdog thread ends the job when a collective waits past the stall timeout, so a rank that
 never arrives is reported instead of hanging it; the common path pays two dict writes for it.
 """
@@ -23,6 +25,9 @@ from mpi4py import MPI
 from meta_dist.xp import is_cupy_array
 
 KINDS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "send", "recv")
+# What a rank that refused its own arguments sends: no call's pair, since codes are below 2**62.
+REFUSED_PAIR = np.array([1 << 62, 1 << 62], np.int64).tobytes()
+REFUSED_MARK = "refused "
 
 
 def shape_code(shapes: Sequence[tuple[int, ...]]) -> int:
@@ -41,7 +46,7 @@ class ConsistencyCheck:
     A call's fingerprint (operation, op, root, dtype, shapes, array kind) is hashed once per
     distinct call and cached, and the ranks allreduce (max) the pair (h, -h): the result says
     max(h) and -min(h), which differ exactly when some rank's call differs. Only then is a
-    second, pickled exchange made to name every rank's arrays.
+    second, pickled exchange made to name every rank's arrays (or a rank's refusal).
 
     Args:
         comm: a communicator of its own (a Dup), used only for the check.
@@ -65,7 +70,7 @@ class ConsistencyCheck:
                op_code: int, root: int) -> None:
         """Raise ValueError on every rank if the ranks called different collectives or shapes.
 
-        Collective: every rank calls it with its own arguments.
+        Collective: every rank calls it with its own arguments (or ``refuse``).
         """
         first = arrays[0]
         shapes = (first.shape,) if len(arrays) == 1 else tuple([a.shape for a in arrays])
@@ -77,22 +82,42 @@ class ConsistencyCheck:
             code = shape_code([(KINDS.index(api), op_code, root, dtypes.index(first.dtype),
                                 int(is_cupy_array(first)))] + list(shapes))
             pair = self._pairs[key] = np.array([code, -code], np.int64).tobytes()
+        if self._exchange(pair) == pair:  # max(h) == h and min(h) == h: every rank agrees
+            return
+        kind = "cupy " if is_cupy_array(first) else ""
+        described = f"{api} of {', '.join(f'{kind}{a.dtype} {tuple(a.shape)}' for a in arrays)}"
+        calls = self.comm.allgather(described)
+        listing = "; ".join(f"rank {r}: {d}" for r, d in enumerate(calls))
+        refused = [r for r, d in enumerate(calls) if d.startswith(REFUSED_MARK)]
+        if refused:
+            raise ValueError(
+                f"{api}: rank {', '.join(map(str, refused))} refused its arguments, so every rank "
+                f"abandons this call: {listing}; fix the arguments there")
+        raise ValueError(
+            f"{api}: the ranks passed different arrays or called different collectives: "
+            f"{listing}; every rank must call the same collective with the same shapes, dtype, "
+            "op and root"
+        )
+
+    def refuse(self, api: str, reason: str) -> None:
+        """Meet the peers in the check of this call and make it fail there, naming ``reason``.
+
+        For a rank whose own arguments were refused before the check (a read-only output on
+        this rank only, say): its peers raise at once instead of waiting for it. The caller
+        raises its own error afterwards. Collective, in the place of ``verify``.
+        """
+        self._exchange(REFUSED_PAIR)
+        self.comm.allgather(f"{REFUSED_MARK}{api} ({reason})")
+
+    def _exchange(self, pair: bytes) -> bytes:
+        """Allreduce (max) this rank's pair with every rank's; return the result's bytes."""
         self._sent[:] = pair
         if self._request is not None:
             self._request.Start()
             self._request.Wait()
         else:
             self.comm.Allreduce(self._pair, self._result, op=MPI.MAX)
-        if self._result.tobytes() == pair:  # max(h) == h and min(h) == h: every rank agrees
-            return
-        kind = "cupy " if is_cupy_array(first) else ""
-        described = f"{api} of {', '.join(f'{kind}{a.dtype} {tuple(a.shape)}' for a in arrays)}"
-        listing = "; ".join(f"rank {r}: {d}" for r, d in enumerate(self.comm.allgather(described)))
-        raise ValueError(
-            f"{api}: the ranks passed different arrays or called different collectives: "
-            f"{listing}; every rank must call the same collective with the same shapes, dtype, "
-            "op and root"
-        )
+        return self._result.tobytes()
 
     def close(self) -> None:
         """Release the persistent request (before its communicator is freed)."""

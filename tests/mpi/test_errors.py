@@ -1,5 +1,8 @@
-"""Bad input: every rank passes the same bad argument and all raise before communicating,
-except the cross-rank mismatch, which every rank detects together."""
+"""Bad input: every rank passes the same bad argument and all raise (meeting in the cross-rank
+check first, where there is one), and the cross-rank mismatch, which every rank detects together.
+A bad argument on some ranks only makes every rank raise: the others learn of it in the check."""
+
+import re
 
 import numpy as np
 import pytest
@@ -62,6 +65,37 @@ def test_settings_that_shape_the_calls_must_agree(connector):
     agreed = make_communicator("mpi", connector, check=False, segment_bytes=8192)
     np.testing.assert_array_equal(agreed.allreduce(np.ones(3)), np.full(3, connector.size))
     agreed.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bad_argument_on_one_rank_raises_on_every_rank(comm):
+    """Rank 1 alone passes a bad argument and catches its error: the others raise at once,
+    naming the refusal, instead of waiting for rank 1 until the stall watchdog. On the general
+    path, the single-array fast paths, and an async call; the communicator stays usable."""
+    n, x = comm.size, np.ones(4 * comm.size)
+    frozen = np.zeros_like(x)
+    frozen.flags.writeable = False
+    send = np.ones(4 * n)
+    overlap = send[1:5] if comm.rank == 1 else send[4 * comm.rank:4 * (comm.rank + 1)]
+    calls = {
+        "allreduce": lambda: comm.allreduce(x, out=frozen if comm.rank == 1 else None),
+        "reduce_scatter": lambda: comm.reduce_scatter(send, out=overlap),
+        "broadcast": lambda: comm.broadcast(x, root=n if comm.rank == 1 else 0, out=x),
+        "allgather": lambda: comm.allgather(x[:4], out=np.empty(4 * n + (comm.rank == 1))),
+        "reduce": lambda: comm.reduce([x, x], op="max" if comm.rank != 1 else "mean"),
+        "allreduce_async": lambda: comm.allreduce_async(
+            x, out=frozen if comm.rank == 1 else np.empty_like(x)).wait(),
+    }
+    for name, call in calls.items():
+        api = name.removesuffix("_async")
+        with pytest.raises((ValueError, TypeError)) as err:
+            call()
+        if comm.rank == 1:
+            assert "refused its arguments" not in str(err.value)  # its own, first-hand error
+        else:
+            assert re.search(rf"{api}: rank 1 refused its arguments.*rank 1: refused {api} "
+                             r"\((ValueError|TypeError): ", str(err.value)), (name, err.value)
+    np.testing.assert_array_equal(comm.allreduce(np.ones(3)), np.full(3, n))  # still usable
 
 
 @pytest.mark.mpi(min_size=2)
