@@ -29,7 +29,8 @@ adjacent where another's is not, and one rank may reduce in place where another 
 A numpy array's data never moves, so what is learned about a list (its layout, its datatypes)
 is kept for a few lists, least recently used first out, and reused while the same array objects
 come back, which is what a training loop does with its gradient arrays. Weak references tell a
-new array at a recycled ``id`` from the same one.
+new array at a recycled ``id`` from the same one; they also make numpy refuse to ``resize`` the
+arrays (which would move their data under the same object) while a plan lives.
 """
 
 from __future__ import annotations

@@ -424,7 +424,8 @@ def test_point_to_point_in_flight_beside_collectives(comm):
 
 def test_list_plan_dies_with_any_of_its_arrays():
     """Cached list plans are keyed by the arrays' ids; a freed array's id can come back on a
-    new array, so a plan must never serve once one of its arrays is gone."""
+    new array, so a plan must never serve once one of its arrays is gone. Nor may an array's
+    data move while the plan lives."""
     import gc
 
     from mpi4py import MPI
@@ -436,6 +437,8 @@ def test_list_plan_dies_with_any_of_its_arrays():
     arrays = [np.ones(5), np.ones(70000)]
     plan = lists._plan(arrays)
     assert lists._plan(arrays) is plan and plan.holds()
+    with pytest.raises(ValueError, match="cannot resize"):  # numpy: not under a weakref, so
+        arrays[1].resize(80000, refcheck=False)  # the plan's addresses stay the data's
     newcomer = [np.ones(5), np.ones(70000)]
     del arrays[1]
     gc.collect()
