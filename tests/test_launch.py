@@ -108,10 +108,18 @@ def test_async_refused_without_thread_multiple():
     result = run(2, ["tests/scripts/serialized_mpi.py"], timeout=120)
     assert result.returncode == 0, str(result)
     assert result.output.count("blocking allreduce: [2.0, 2.0, 2.0]") == 2, str(result)
-    for api in ("allreduce_async", "send_async"):
-        assert result.output.count(
-            f"refused: {api}: MPI was initialised with thread level 'serialized'") == 2, str(result)
+    for api, times in (("allreduce_async", 4), ("send_async", 2)):
+        assert result.output.count(f"refused: {api}: MPI was initialised with thread level "
+                                   "'serialized'") == times, str(result)
     assert "accepted" not in result.output, str(result)
+
+
+def test_thread_levels_must_agree():
+    result = run(2, ["tests/scripts/serialized_mpi.py", "mixed"], timeout=120)
+    assert result.returncode == 0, str(result)
+    assert result.output.count("settings differ across ranks: rank 0: thread_level=2; rank 1: "
+                               "thread_level=3") == 2, str(result)
+    assert "mpi4py.rc.thread_level" in result.output, str(result)
 
 
 def test_dist_example_trains_on_a_users_npz(tmp_path):

@@ -49,7 +49,7 @@ def _refused_everywhere(api: str) -> Callable[[_Plan], _Plan]:
         def planned(self: Communicator, *args: Any) -> Callable[[], Any]:
             try:
                 return make_plan(self, *args)
-            except (TypeError, ValueError) as error:
+            except Exception as error:  # anything refused before the check (AttributeError too)
                 self._tell_peers(api, error)
                 raise
 
@@ -107,14 +107,15 @@ class Communicator(ABC):
         self.size = connector.size
         self.check = _env_flag("META_DIST_CHECK", True) if check is None else check
         self.stall_timeout = stall_timeout
-        self._agree({"check": self.check, **self._call_settings()})
+        self._thread_level = MPI.Query_thread()  # async calls need THREAD_MULTIPLE
+        self._agree({"check": self.check, "thread_level": self._thread_level,
+                     **self._call_settings()})
         self._check_comm = connector.comm.Dup()
         self._consistency = ConsistencyCheck(self._check_comm)
         self._watchdog = StallWatchdog(self.rank, stall_timeout) if stall_timeout else None
         self._fusion: dict[tuple[Any, np.dtype], Any] = {}
         self._worker = OrderedWorker(on_start=self._worker_started)
         self._p2p: dict[tuple[str, int], OrderedWorker] = {}  # (send|recv, peer) -> its thread
-        self._thread_level = MPI.Query_thread()  # the same on every rank of one launch
         self.closed = False
 
     # ---------------------------------------------------------------- public collectives
@@ -142,7 +143,7 @@ class Communicator(ABC):
 
     def allreduce_async(self, send: Any, op: str = "sum", *, out: Any = None) -> Handle:
         """Start ``allreduce`` and return a Handle; see ``allreduce``. Collective."""
-        return self._submit(self._allreduce_plan(send, op, out), "allreduce")
+        return self._start("allreduce", self._allreduce_plan, send, op, out)
 
     def reduce_scatter(self, send: Any, op: str = "sum", *, out: Any = None) -> Any:
         """Reduce arrays across ranks and leave each rank its part along axis 0.
@@ -172,7 +173,7 @@ class Communicator(ABC):
 
     def reduce_scatter_async(self, send: Any, op: str = "sum", *, out: Any = None) -> Handle:
         """Start ``reduce_scatter`` and return a Handle; see ``reduce_scatter``. Collective."""
-        return self._submit(self._reduce_scatter_plan(send, op, out), "reduce_scatter")
+        return self._start("reduce_scatter", self._reduce_scatter_plan, send, op, out)
 
     def allgather(self, send: Any, *, out: Any = None) -> Any:
         """Concatenate every rank's array along axis 0, in rank order, on every rank.
@@ -196,7 +197,7 @@ class Communicator(ABC):
 
     def allgather_async(self, send: Any, *, out: Any = None) -> Handle:
         """Start ``allgather`` and return a Handle; see ``allgather``. Collective."""
-        return self._submit(self._allgather_plan(send, out), "allgather")
+        return self._start("allgather", self._allgather_plan, send, out)
 
     def broadcast(self, buf: Any, root: int = 0, *, out: Any = None) -> Any:
         """Copy rank ``root``'s array to every rank.
@@ -220,7 +221,7 @@ class Communicator(ABC):
 
     def broadcast_async(self, buf: Any, root: int = 0, *, out: Any = None) -> Handle:
         """Start ``broadcast`` and return a Handle; see ``broadcast``. Collective."""
-        return self._submit(self._broadcast_plan(buf, root, out), "broadcast")
+        return self._start("broadcast", self._broadcast_plan, buf, root, out)
 
     def reduce(self, send: Any, root: int = 0, op: str = "sum", *, out: Any = None) -> Any:
         """Reduce arrays element-wise across ranks onto rank ``root`` only.
@@ -240,7 +241,7 @@ class Communicator(ABC):
 
     def reduce_async(self, send: Any, root: int = 0, op: str = "sum", *, out: Any = None) -> Handle:
         """Start ``reduce`` and return a Handle; see ``reduce``. Collective."""
-        return self._submit(self._reduce_plan(send, root, op, out), "reduce")
+        return self._start("reduce", self._reduce_plan, send, root, op, out)
 
     def send(self, send: Any, peer: int) -> None:
         """Send an array (or a fused list) to rank ``peer``, which must call ``recv``.
@@ -310,8 +311,8 @@ class Communicator(ABC):
                 for r, s in enumerate(every))
             raise ValueError(
                 f"{type(self).__name__}: settings differ across ranks: {listing}; expected the "
-                "same values on every rank (set META_DIST_CHECK and the communicator's "
-                "arguments alike everywhere)"
+                "same values on every rank (set META_DIST_CHECK, mpi4py.rc.thread_level and the "
+                "communicator's arguments alike everywhere)"
             )
 
     # ---------------------------------------------------------- plans (validate now, run later)
@@ -566,12 +567,16 @@ class Communicator(ABC):
                 f"of {len(outs)}"
             )
         for i, (o, shape) in enumerate(zip(outs, shapes, strict=True)):
+            if not hasattr(o, "shape") or not hasattr(o, "dtype"):
+                raise TypeError(f"{api}: out[{i}] is a {type(o).__name__}; expected a numpy or "
+                                "cupy array, or out=None")
             if tuple(o.shape) != tuple(shape) or o.dtype != like[0].dtype:
                 raise ValueError(
                     f"{api}: out[{i}] has shape {tuple(o.shape)} and dtype {o.dtype}; expected "
                     f"shape {tuple(shape)} and dtype {like[0].dtype}"
                 )
             self._check_writable(api, o)
+        self._check_arrays(api, outs)  # before the cross-rank check, as for the inputs
         return outs
 
     def _check_writable(self, api: str, arr: Any) -> None:
@@ -677,7 +682,7 @@ class Communicator(ABC):
 
     def _host_ready(self, arr: Any, op: str, allowed: frozenset) -> bool:
         """Return True for a contiguous numpy input whose (op, dtype) is allowed, run now."""
-        return (type(arr) is np.ndarray and (op, arr.dtype) in allowed
+        return (type(arr) is np.ndarray and type(op) is str and (op, arr.dtype) in allowed
                 and arr.flags.c_contiguous and not self.closed and self._worker.idle())
 
     def _host_out(self, out: np.ndarray, send: np.ndarray,
@@ -691,7 +696,7 @@ class Communicator(ABC):
         """Run ``primitive(*args)`` now, checked and watched as ``_sync`` would."""
         try:
             self._check_arrays(api, [arr])  # the backend may refuse host arrays (NCCL does)
-        except (TypeError, ValueError) as error:
+        except Exception as error:
             self._tell_peers(api, error)
             raise
         watchdog = self._watchdog
@@ -716,8 +721,16 @@ class Communicator(ABC):
         finally:
             watchdog.leave()
 
-    def _submit(self, run: Callable[[], Any], api: str = "collective") -> Handle:
+    def _start(self, api: str, make_plan: _Plan, *args: Any) -> Handle:
+        """Start an async collective on the communication thread.
+
+        Refused first if MPI forbids threads: then every rank stops here, and none has told its
+        peers about refused arguments in a check that they would never reach.
+        """
         self._check_threads(api)
+        return self._submit(make_plan(*args), api)
+
+    def _submit(self, run: Callable[[], Any], api: str = "collective") -> Handle:
         return self._worker.submit(self._watched(run, api))
 
     def _check_threads(self, api: str) -> None:
@@ -829,9 +842,13 @@ def _same_arrays(out: Any, like: list[Any], is_list: bool) -> bool:
 
 
 def memory_owner(arr: Any) -> Any:
-    """Return the array that owns ``arr``'s memory (numpy and CuPy point views at it)."""
-    while arr.base is not None:
-        arr = arr.base
+    """Return the object that owns ``arr``'s memory (numpy and CuPy point views at it).
+
+    That may be no array: ``np.frombuffer`` arrays end at the buffer (a bytearray, a memoryview).
+    """
+    base = getattr(arr, "base", None)
+    while base is not None:
+        arr, base = base, getattr(base, "base", None)
     return arr
 
 

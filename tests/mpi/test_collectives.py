@@ -355,6 +355,22 @@ def test_large_list_out_of_place(comm, connector, dtype, op, layout):
         assert len(comm._lists._plans) == 1  # one plan, the inputs', for all four calls
 
 
+def test_arrays_over_foreign_buffers(comm, connector):
+    """Arrays whose memory a bytearray owns (np.frombuffer) end their .base chain at no array:
+    the out-of-place list and reduce_scatter alias checks must still work on them."""
+    shapes = [(40000,), (7,), (3000,)]  # > 256 KiB of float64: the list exchange
+    inputs = [[rank_input(i, r, shape, np.float64) for i, shape in enumerate(shapes)]
+              for r in range(comm.size)]
+    mine = [np.frombuffer(bytearray(x.tobytes()), np.float64) for x in inputs[comm.rank]]
+    outs = [np.frombuffer(bytearray(x.nbytes), np.float64) for x in mine]
+    for i, got in enumerate(comm.allreduce(mine, out=outs)):
+        assert_matches(got, reference([inputs[r][i] for r in range(comm.size)], "sum"), comm.size)
+    send = np.frombuffer(bytearray(8 * 4 * comm.size), np.float64)
+    send[...] = 1.0
+    part = comm.reduce_scatter(send, out=np.frombuffer(bytearray(8 * 4), np.float64))
+    np.testing.assert_array_equal(part, np.full(4, float(comm.size)))
+
+
 @pytest.mark.parametrize("size", ["small", "large"])
 def test_list_out_is_the_inputs_reordered(comm, connector, size):
     """out may name the input arrays in another order: every input is read before any output
