@@ -4,9 +4,9 @@ Imports numpy, mpi4py and meta_dist.xp. The ranks compare a fingerprint of (oper
 root, dtype, shapes, array kind) with one small allreduce (max of x and of -x gives max and min
 at once); on a difference every rank raises the same ValueError listing each rank's arrays. A
 rank that refused its own arguments sends a pair no call has, so its peers fail the same call
-at once instead of waiting for it. A
-watchdog thread ends the job when a collective waits past the stall timeout, so a rank that
-never arrives is reported instead of hanging it; the common path pays two dict writes for it.
+at once instead of waiting for it. A watchdog thread ends the job when a collective waits past
+the stall timeout, so a rank that never arrives is reported instead of hanging it; the common
+path pays two dict writes for it.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ def mpi_datatype(dtype: np.dtype) -> MPI.Datatype:
     """Return the predefined MPI datatype of a numpy dtype (for explicit buffer specs)."""
     return MPI._typedict[dtype.char]
 
+
 # Tags on the backend's communicator. The pairwise reductions and the list exchange are built
 # from Sendrecv on the same communicator as the user's send/recv, which run on their own threads:
 # with one tag a collective's receive could take a message a user's send put in flight.
