@@ -6,6 +6,7 @@ which array module an array belongs to, so layers, optimizers and ZeRO run uncha
 
 from __future__ import annotations
 
+import math
 import types
 
 import numpy as np
@@ -96,11 +97,15 @@ def contiguous_arrays(shapes: list[tuple[int, ...]], dtype: object,
         dtype: their one dtype.
         xp: numpy (host arrays) or cupy (device arrays).
     """
-    numels = [int(np.prod(shape, dtype=np.int64)) for shape in shapes]
-    buffer = xp.zeros(sum(numels), dtype)
+    return split_buffer(xp.zeros(sum(math.prod(shape) for shape in shapes), dtype), shapes)
+
+
+def split_buffer(buffer: object, shapes: list[tuple[int, ...]]) -> list:
+    """Return views of a 1-D ``buffer`` shaped ``shapes``, back to back from its start."""
     arrays, start = [], 0
-    for shape, numel in zip(shapes, numels, strict=True):
-        arrays.append(buffer[start : start + numel].reshape(shape))
+    for shape in shapes:
+        numel = math.prod(shape)
+        view = buffer[start : start + numel]
+        arrays.append(view if len(shape) == 1 else view.reshape(shape))
         start += numel
     return arrays
-

@@ -1,52 +1,43 @@
 """MpiCommunicator: collectives on host (numpy) buffers through mpi4py.
 
-Imports numpy, mpi4py and meta_dist.comm.base. CuPy arrays are moved through CUDA-aware MPI when
-the MPI library says it is one, otherwise staged through reused host buffers (see
-``meta_dist.comm.staging``).
+Imports numpy, mpi4py, meta_dist.comm.base / staging and meta_dist.xp. CuPy arrays reach the
+same primitives through ``comm.staging``: copied through host buffers, or handed to a CUDA-aware
+MPI when META_DIST_CUDA_AWARE_MPI=1 says the library is one.
 
 Small messages go straight to the library (its latency is hard to beat). Large reductions use a
 pairwise exchange on persistent buffers: for k = 1..size-1 each rank sends the chunk owned by
 rank+k and receives its own chunk's contribution from rank-k, adding it with numpy, segment by
 segment so the scratch stays in cache; an allreduce then gathers the chunks with one in-place
-MPI_Allgatherv (faster than forwarding each reduced segment: 16 MiB in 1.85 against 2.9 ms,
-64 MiB 12.0 against 12.8, 2 ranks). Open MPI allocates and first-touches fresh scratch memory
-inside every large MPI_Allreduce and MPI_Reduce_scatter_block, which costs more than the data
-movement itself (see DESIGN.md); reused buffers avoid that. Each chunk is reduced by exactly
-one rank and then copied, so every rank ends with bit-identical results.
+MPI_Allgatherv. Open MPI allocates and first-touches fresh scratch memory inside every large
+MPI_Allreduce and MPI_Reduce_scatter_block, which costs more than moving the data (DESIGN.md);
+reused buffers avoid that. Each chunk is reduced by exactly one rank and then copied, so every
+rank ends with bit-identical results. scripts/distributed/bench_collectives.py measures where the
+exchange starts to pay; ``PAIRWISE_MIN_BYTES`` holds the answer.
 """
 
 from __future__ import annotations
 
 import itertools
-import operator
-import sys
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from meta_dist.comm.base import Communicator, address, memory_owner, unpack
-from meta_dist.comm.mpi_lists import ZERO_COPY_MIN_BYTES, ListAllreduce, chunk_bounds
-from meta_dist.comm.mpi_ops import (
-    EXCHANGE_TAG,
-    MPI_OPS,
-    NUMPY_REDUCED_DTYPES,
-    P2P_TAG,
-    UFUNCS,
-    mpi_datatype,
-)
-from meta_dist.comm.staging import HostStaging, staged
+from meta_dist.comm.base import Communicator
+from meta_dist.comm.staging import HostStaging, cuda_aware_requested, staged
 from meta_dist.connector import MPIConnector
-from meta_dist.xp import gpu_count, select_device
+from meta_dist.xp import array_module, data_ptr, gpu_count, select_device
 
-# Where the pairwise exchange starts to beat the library (2 ranks, Open MPI 5 and MPICH 5 wheels,
-# measured with scripts/distributed/bench_collectives.py): allreduce crosses over near 16 MiB
-# (16 MiB: pairwise 1.95 ms, library 2.02; 64 MiB: 13.1 against 23.5 ms, Open MPI), since the
-# library's allreduce is fast until its per-call scratch allocation dominates; an in-place
-# reduce_scatter already wins at 128 KiB (40 µs against 57 through the library's scratch and a
-# copy, Open MPI; 35 against 61, MPICH).
+MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
+UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+# Open MPI 5.0's MPI_SUM on MPI_UNSIGNED_CHAR saturates at 255 (seen with the PyPI wheel) where
+# numpy and C wrap modulo 256: these dtypes are always reduced by numpy in the pairwise path.
+NUMPY_REDUCED_DTYPES = (np.dtype(np.uint8),)
 PAIRWISE_MIN_BYTES = {"allreduce": 16 * 2**20, "reduce_scatter": 128 * 1024}
 SEGMENT_BYTES = 512 * 1024
+# Tags: the pairwise exchange uses Sendrecv on the communicator that also carries the user's
+# send/recv (on their own threads); with one tag a collective could take a user's message.
+P2P_TAG, EXCHANGE_TAG = 0, 1
 
 
 class MpiCommunicator(Communicator):
@@ -63,159 +54,119 @@ class MpiCommunicator(Communicator):
 
     backend_name = "mpi"
 
-    def __init__(
-        self,
-        connector: MPIConnector,
-        *,
-        pairwise_min_bytes: dict[str, int] | None = None,
-        segment_bytes: int = SEGMENT_BYTES,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, connector: MPIConnector, *, pairwise_min_bytes: dict[str, int] | None = None,
+                 segment_bytes: int = SEGMENT_BYTES, **kwargs: Any) -> None:
         self.pairwise_min_bytes = {**PAIRWISE_MIN_BYTES, **(pairwise_min_bytes or {})}
         self.segment_bytes = segment_bytes
+        self.staging = HostStaging(cuda_aware=cuda_aware_requested())
         super().__init__(connector, **kwargs)
         self._comm: MPI.Comm = connector.comm.Dup()
-        self.staging = HostStaging(self._comm)  # CuPy arrays: CUDA-aware MPI or host copies
-        self._scratch: dict[np.dtype, np.ndarray] = {}
-        self._lists = ListAllreduce(self._comm, UFUNCS)
+        self._scratch: dict[tuple[str, np.dtype], Any] = {}
 
     def _call_settings(self) -> dict[str, Any]:
-        """See ``Communicator._call_settings``: where the pairwise exchange starts, its steps."""
-        return {"pairwise_min_bytes": self.pairwise_min_bytes, "segment_bytes": self.segment_bytes}
+        """See ``Communicator._call_settings``: the pairwise thresholds, CUDA-aware MPI."""
+        return {"pairwise_min_bytes": self.pairwise_min_bytes, "segment_bytes": self.segment_bytes,
+                "cuda_aware_mpi": self.staging.cuda_aware}
 
     def _async_p2p_problem(self, arrays: Any) -> str | None:
         first = arrays[0] if isinstance(arrays, (list, tuple)) and arrays else arrays
-        if type(first) is np.ndarray:
+        if type(first) is np.ndarray or self.staging.cuda_aware:
             return None
         return ("CuPy arrays through the MPI backend are staged through host buffers shared by "
                 "send and receive, so only one may run at a time")
 
     def _worker_started(self) -> None:
         """Make this rank's GPU current on the async thread too (CUDA's device is per thread)."""
-        if "cupy" in sys.modules and gpu_count() > 0:
+        if gpu_count() > 0:
             select_device(self.connector.local_rank)
+
+    @staticmethod
+    def _address(arr: Any) -> int:
+        """See ``Communicator._address``; MPI.Get_address costs less than numpy's interface."""
+        return MPI.Get_address(arr) if type(arr) is np.ndarray else data_ptr(arr)
 
     # ---------------------------------------------------------------- primitives
 
     @staged("allreduce")
-    def _allreduce(self, send: np.ndarray, recv: np.ndarray, op: str) -> None:
-        if self.size == 1:
-            if recv is not send:
-                recv[...] = send
-            return
-        if self._library_reduces(send, "allreduce"):
+    def _allreduce(self, send: Any, recv: Any, op: str) -> None:
+        if self.size == 1 or self._library_reduces(send, "allreduce"):
             if recv is not send:  # the standard asks every rank for MPI_IN_PLACE, or none
                 recv[...] = send
-            self._comm.Allreduce(MPI.IN_PLACE, recv, op=MPI_OPS[op])
+            if self.size > 1:
+                self._comm.Allreduce(MPI.IN_PLACE, recv, op=MPI_OPS[op])
             return
         bounds = chunk_bounds(send.size, self.size)
         self._pairwise_reduce(send, recv[bounds[self.rank] : bounds[self.rank + 1]], bounds, op)
         counts = [hi - lo for lo, hi in itertools.pairwise(bounds)]
-        self._comm.Allgatherv(MPI.IN_PLACE, [recv, counts, bounds[:-1], mpi_datatype(recv.dtype)])
+        self._comm.Allgatherv(MPI.IN_PLACE, [recv, counts, bounds[:-1], _mpi_type(recv)])
 
     @staged("reduce_scatter")
-    def _reduce_scatter(self, send: np.ndarray, recv: np.ndarray, op: str) -> None:
+    def _reduce_scatter(self, send: Any, recv: Any, op: str) -> None:
+        in_place = self._address(recv) == self._address(send) + self.rank * recv.nbytes
         if self.size == 1:
-            if recv is not send:
+            if not in_place:
                 recv[...] = send
             return
-        if self._library_reduces(send, "reduce_scatter"):
-            if (recv.base is not None  # an array owning its memory lies in no other
-                    and address(recv) == address(send) + self.rank * recv.nbytes):
-                # MPI_IN_PLACE would overwrite rows 0..m of send; go through scratch instead
-                scratch = self._scratch_buffer(recv.dtype, recv.size)[: recv.size]
-                self._comm.Reduce_scatter_block(send, scratch, op=MPI_OPS[op])
-                recv[...] = scratch
-            else:
-                self._comm.Reduce_scatter_block(send, recv, op=MPI_OPS[op])
-            return
-        bounds = [r * recv.size for r in range(self.size + 1)]
-        self._pairwise_reduce(send, recv, bounds, op)
+        if not self._library_reduces(send, "reduce_scatter"):
+            self._pairwise_reduce(send, recv, [r * recv.size for r in range(self.size + 1)], op)
+        elif in_place:  # MPI_IN_PLACE means rows 0..m of send there: reduce into scratch
+            scratch = self._scratch_buffer(recv, recv.size)[: recv.size]
+            self._comm.Reduce_scatter_block(send, scratch, op=MPI_OPS[op])
+            recv[...] = scratch
+        else:
+            self._comm.Reduce_scatter_block(send, recv, op=MPI_OPS[op])
 
     @staged("allgather")
-    def _allgather(self, send: np.ndarray, recv: np.ndarray) -> None:
-        if self.size == 1:
-            if address(recv) != address(send):
-                recv[...] = send
-            return
+    def _allgather(self, send: Any, recv: Any) -> None:
         mine = recv[self.rank * send.size : (self.rank + 1) * send.size]
-        if address(mine) != address(send):  # MPI_IN_PLACE on every rank, as the standard asks
+        if self._address(mine) != self._address(send):  # MPI_IN_PLACE everywhere, as MPI asks
             mine[...] = send
-        self._comm.Allgather(MPI.IN_PLACE, recv)
+        if self.size > 1:
+            self._comm.Allgather(MPI.IN_PLACE, recv)
 
     @staged("broadcast")
-    def _broadcast(self, buf: np.ndarray, root: int) -> None:
+    def _broadcast(self, buf: Any, root: int) -> None:
         if self.size > 1:
             self._comm.Bcast(buf, root=root)
 
     @staged("reduce")
-    def _reduce(self, send: np.ndarray, recv: np.ndarray | None, op: str, root: int) -> None:
-        if self.size == 1:
-            if recv is not send:
-                recv[...] = send
-            return
-        if send.dtype in NUMPY_REDUCED_DTYPES:  # see NUMPY_REDUCED_DTYPES; rare, so no fast path
-            total = np.empty_like(send)
+    def _reduce(self, send: Any, recv: Any, op: str, root: int) -> None:
+        if self.size > 1 and send.dtype in NUMPY_REDUCED_DTYPES:  # rare: no faster way needed
+            total = array_module(send).empty_like(send)
             self._allreduce(send, total, op)
             if recv is not None:
                 recv[...] = total
-            return
-        if self.rank == root:
-            if recv is not send:  # also when recv is send's memory under another object
+        elif self.rank == root:
+            if recv is not send:
                 recv[...] = send
-            self._comm.Reduce(MPI.IN_PLACE, recv, op=MPI_OPS[op], root=root)
+            if self.size > 1:
+                self._comm.Reduce(MPI.IN_PLACE, recv, op=MPI_OPS[op], root=root)
         else:
             self._comm.Reduce(send, None, op=MPI_OPS[op], root=root)
 
     @staged("send")
-    def _send(self, buf: np.ndarray, peer: int) -> None:
+    def _send(self, buf: Any, peer: int) -> None:
         self._comm.Send(buf, dest=peer, tag=P2P_TAG)
 
     @staged("recv")
-    def _recv(self, buf: np.ndarray, peer: int) -> None:
+    def _recv(self, buf: Any, peer: int) -> None:
         self._comm.Recv(buf, source=peer, tag=P2P_TAG)
 
     def _barrier(self) -> None:
         self._comm.Barrier()
 
     def _close_backend(self) -> None:
-        self._lists.clear()
         self._scratch.clear()
         self.staging.clear()
         self._comm.Free()
 
-    def _allreduce_list(self, sends: list[Any], outs: list[Any], op: str) -> None:
-        """Host lists are reduced with few copies (``mpi_lists``).
-
-        Whether a list is in place is each rank's own choice, and the MPI calls must not depend
-        on it. Below ZERO_COPY_MIN_BYTES every list is one flat ``_allreduce`` of all its
-        elements, so out of place it is packed straight from the inputs. Above it, the list
-        exchange reads the inputs and writes the outputs, unless an output is another input's
-        memory: then the inputs are copied into the outputs first (through the fusion buffer,
-        so every input is read before any output is written) and reduced there in place.
-        """
-        if self.size == 1 or type(sends[0]) is not np.ndarray:
-            super()._allreduce_list(sends, outs, op)
-            return
-        if not all(map(operator.is_, outs, sends)):
-            if sum(s.nbytes for s in sends) < ZERO_COPY_MIN_BYTES:
-                super()._allreduce_list(sends, outs, op)
-                return
-            owners = {id(memory_owner(s)) for s in sends}
-            if not owners.isdisjoint(id(memory_owner(o)) for o in outs):
-                unpack(self._pack(sends, "allreduce"), outs)
-                sends = outs
-        if not self._lists.run(sends, outs, op, self._allreduce):
-            super()._allreduce_list(sends, outs, op)
-
     # ---------------------------------------------------------------- the pairwise reduction
 
-    def _library_reduces(self, send: np.ndarray, api: str) -> bool:
+    def _library_reduces(self, send: Any, api: str) -> bool:
         return (send.nbytes < self.pairwise_min_bytes[api]
                 and send.dtype not in NUMPY_REDUCED_DTYPES)
 
-    def _pairwise_reduce(self, send: np.ndarray, mine: np.ndarray, bounds: list[int],
-                         op: str) -> None:
+    def _pairwise_reduce(self, send: Any, mine: Any, bounds: list[int], op: str) -> None:
         """Reduce chunk ``rank`` of ``send`` across ranks into ``mine``.
 
         ``bounds`` splits ``send`` into one chunk per rank; ``mine`` may be this rank's chunk of
@@ -225,24 +176,37 @@ class MpiCommunicator(Communicator):
         """
         ufunc, rank, size = UFUNCS[op], self.rank, self.size
         own = send[bounds[rank] : bounds[rank + 1]]
-        if address(mine) != address(own):
-            mine[...] = own
+        in_place = self._address(mine) == self._address(own)
         seg = max(1, self.segment_bytes // send.itemsize)
         longest = max(hi - lo for lo, hi in itertools.pairwise(bounds))
-        scratch = self._scratch_buffer(send.dtype, min(seg, longest))
+        scratch = self._scratch_buffer(send, min(seg, longest))
         for start in range(0, longest, seg):
             part = mine[start : start + seg]
+            total = part if in_place else own[start : start + seg]  # no copy of own first
             for k in range(1, size):
                 to, frm = (rank + k) % size, (rank - k) % size
                 piece = send[bounds[to] + start : min(bounds[to] + start + seg, bounds[to + 1])]
                 got = scratch[: part.size]
                 self._comm.Sendrecv(piece, dest=to, sendtag=EXCHANGE_TAG, recvbuf=got,
                                     source=frm, recvtag=EXCHANGE_TAG)
-                ufunc(part, got, out=part)
+                ufunc(total, got, out=part)  # CuPy arrays (CUDA-aware MPI) take CuPy's ufunc
+                total = part
 
-    def _scratch_buffer(self, dtype: np.dtype, numel: int) -> np.ndarray:
-        buf = self._scratch.get(dtype)
+    def _scratch_buffer(self, like: Any, numel: int) -> Any:
+        xp = array_module(like)
+        key = (xp.__name__, like.dtype)
+        buf = self._scratch.get(key)
         if buf is None or buf.size < numel:
-            buf = np.empty(numel, dtype)
-            self._scratch[dtype] = buf
+            buf = self._scratch[key] = xp.empty(numel, like.dtype)
         return buf
+
+
+def chunk_bounds(numel: int, parts: int) -> list[int]:
+    """Return parts+1 boundaries splitting numel elements as evenly as possible."""
+    base, extra = divmod(numel, parts)
+    return [r * base + min(r, extra) for r in range(parts + 1)]
+
+
+def _mpi_type(arr: Any) -> MPI.Datatype:
+    """Return the predefined MPI datatype of an array's dtype (for explicit buffer specs)."""
+    return MPI._typedict[arr.dtype.char]

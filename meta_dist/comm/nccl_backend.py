@@ -17,11 +17,13 @@ from meta_dist.comm.base import Communicator
 from meta_dist.connector import MPIConnector
 from meta_dist.xp import is_cupy_array, select_device
 
-# ncclDataType_t and ncclRedOp_t values from nccl.h (unchanged since NCCL 2.0; compared with
-# cupy.cuda.nccl's names in tests/unit/test_nccl_selection.py). avg is summed here: the base
-# divides by size exactly once.
-NCCL_DTYPES = {"uint8": 1, "int32": 2, "int64": 4, "float16": 6, "float32": 7, "float64": 8}
-NCCL_OPS = {"sum": 0, "avg": 0, "prod": 1, "max": 2, "min": 3}
+# cupy.cuda.nccl's names for the ncclDataType_t and ncclRedOp_t of each dtype and op, looked up
+# when a communicator is made. avg is summed here: the base divides by size exactly once.
+NCCL_DTYPE_NAMES = {"uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "int64": "NCCL_INT64",
+                    "float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32",
+                    "float64": "NCCL_FLOAT64"}
+NCCL_OP_NAMES = {"sum": "NCCL_SUM", "avg": "NCCL_SUM", "prod": "NCCL_PROD", "max": "NCCL_MAX",
+                 "min": "NCCL_MIN"}
 # CuPy's NcclError knows statuses up to 6 and raises KeyError(7) / KeyError(8) for the rest.
 NCCL_STATUS = {1: "unhandled cuda error", 2: "system error", 3: "internal error",
                4: "invalid argument", 5: "invalid usage", 6: "remote error",
@@ -218,6 +220,8 @@ class NcclCommunicator(Communicator):
                 comm.abort()
             raise
         self._cupy, self._nccl, self._comm = cupy, nccl, comm
+        self._dtypes = {name: getattr(nccl, code) for name, code in NCCL_DTYPE_NAMES.items()}
+        self._ops = {name: getattr(nccl, code) for name, code in NCCL_OP_NAMES.items()}
         self._stream = cupy.cuda.Stream(non_blocking=True) if stream is None else stream
         self._token = cupy.zeros(1, cupy.float32)  # barrier's one-element allreduce
         self._in_flight: list[tuple[Any, tuple[Any, ...]]] = []
@@ -227,37 +231,37 @@ class NcclCommunicator(Communicator):
 
     def _allreduce(self, send: Any, recv: Any, op: str) -> None:
         self._launch("allreduce", (send, recv), send.size, lambda s: self._comm.allReduce(
-            send.data.ptr, recv.data.ptr, send.size, _dt(send), NCCL_OPS[op], s))
+            send.data.ptr, recv.data.ptr, send.size, self._dt(send), self._ops[op], s))
 
     def _reduce_scatter(self, send: Any, recv: Any, op: str) -> None:
         self._launch("reduce_scatter", (send, recv), recv.size, lambda s: self._comm.reduceScatter(
-            send.data.ptr, recv.data.ptr, recv.size, _dt(send), NCCL_OPS[op], s))
+            send.data.ptr, recv.data.ptr, recv.size, self._dt(send), self._ops[op], s))
 
     def _allgather(self, send: Any, recv: Any) -> None:
         self._launch("allgather", (send, recv), send.size, lambda s: self._comm.allGather(
-            send.data.ptr, recv.data.ptr, send.size, _dt(send), s))
+            send.data.ptr, recv.data.ptr, send.size, self._dt(send), s))
 
     def _broadcast(self, buf: Any, root: int) -> None:
         self._launch("broadcast", (buf,), buf.size, lambda s: self._comm.bcast(
-            buf.data.ptr, buf.size, _dt(buf), root, s))
+            buf.data.ptr, buf.size, self._dt(buf), root, s))
 
     def _reduce(self, send: Any, recv: Any, op: str, root: int) -> None:
         target = send if recv is None else recv  # NCCL ignores recvbuff off the root
         self._launch("reduce", (send, target), send.size, lambda s: self._comm.reduce(
-            send.data.ptr, target.data.ptr, send.size, _dt(send), NCCL_OPS[op], root, s))
+            send.data.ptr, target.data.ptr, send.size, self._dt(send), self._ops[op], root, s))
 
     def _send(self, buf: Any, peer: int) -> None:
         self._launch("send", (buf,), buf.size, lambda s: self._grouped(
-            lambda: self._comm.send(buf.data.ptr, buf.size, _dt(buf), peer, s)))
+            lambda: self._comm.send(buf.data.ptr, buf.size, self._dt(buf), peer, s)))
 
     def _recv(self, buf: Any, peer: int) -> None:
         self._launch("recv", (buf,), buf.size, lambda s: self._grouped(
-            lambda: self._comm.recv(buf.data.ptr, buf.size, _dt(buf), peer, s)))
+            lambda: self._comm.recv(buf.data.ptr, buf.size, self._dt(buf), peer, s)))
 
     def _barrier(self) -> None:
         token = self._token
         done = self._launch("barrier", (token,), 1, lambda s: self._comm.allReduce(
-            token.data.ptr, token.data.ptr, 1, NCCL_DTYPES["float32"], NCCL_OPS["sum"], s))
+            token.data.ptr, token.data.ptr, 1, self._dtypes["float32"], self._ops["sum"], s))
         if done is not None and self.stall_timeout is None:
             done.synchronize()  # a barrier returns only when every rank has arrived
 
@@ -367,6 +371,5 @@ class NcclCommunicator(Communicator):
             except Exception:  # already failing: the error being raised is the one to report
                 pass
 
-
-def _dt(arr: Any) -> int:
-    return NCCL_DTYPES[arr.dtype.name]
+    def _dt(self, arr: Any) -> int:
+        return self._dtypes[arr.dtype.name]

@@ -1,100 +1,117 @@
-"""The ordered communication thread behind the ``*_async`` collectives, and their Handle.
+"""The communication thread behind the ``*_async`` operations, and their Handle.
 
-Imports nothing of meta_dist. Every rank must issue collectives in the same order; one worker
-thread per communicator runs them first in, first out, and a blocking call made while work is
-queued joins the queue instead of overtaking it.
+Imports the standard library only. Every rank must issue collectives in the same order: one
+single-thread executor per communicator runs them first in, first out (a Future carries each
+result or exception to its waiter), and a blocking call made while work is queued joins the
+queue instead of overtaking it.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 
 class Handle:
-    """A pending asynchronous collective; ``wait()`` returns its result (or raises its error)."""
+    """A pending asynchronous operation; ``wait()`` returns its result (or raises its error)."""
 
-    def __init__(self, run: Callable[[], Any]) -> None:
-        self._run = run
-        self._event = threading.Event()
-        self._result: Any = None
-        self._error: BaseException | None = None
-
-    def _execute(self) -> None:
-        try:
-            self._result = self._run()
-        except BaseException as error:  # handed to the waiting thread, not lost in the worker
-            self._error = error
-        finally:
-            self._event.set()
+    def __init__(self, future: Future) -> None:
+        self._future = future
 
     def done(self) -> bool:
-        """Return True when the collective has finished (successfully or not)."""
-        return self._event.is_set()
+        """Return True when the operation has finished (successfully or not)."""
+        return self._future.done()
 
     def wait(self) -> Any:
-        """Block until the collective has finished and return its result."""
-        self._event.wait()
-        if self._error is not None:
-            raise self._error
-        return self._result
+        """Block until the operation has finished and return its result."""
+        return self._future.result()
 
 
 class OrderedWorker:
-    """Run callables in submission order on one lazily started thread.
+    """Run callables in submission order on one thread, started on first use.
 
     Args:
-        on_start: called first on the worker thread (e.g. to make this rank's GPU current,
-            which is per thread in CUDA).
+        on_start: called first on the thread (e.g. to make this rank's GPU current, which is
+            per thread in CUDA); if it raises, every submitted call fails with BrokenThreadPool.
     """
 
     def __init__(self, on_start: Callable[[], None] | None = None) -> None:
-        self._on_start = on_start
-        self._queue: queue.Queue[Handle | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._pending = 0
-        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meta_dist-comm",
+                                            initializer=on_start)
+        self._last: Future | None = None
 
     def submit(self, run: Callable[[], Any]) -> Handle:
         """Queue ``run`` and return its Handle."""
-        handle = Handle(run)
-        with self._lock:  # one thread only, however many callers submit at once
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="meta_dist-comm",
-                                                daemon=True)
-                self._thread.start()
-            self._pending += 1
-        self._queue.put(handle)
-        return handle
+        self._last = self._executor.submit(run)
+        return Handle(self._last)
 
     def idle(self) -> bool:
         """Return True when nothing is queued or running (a blocking call may run at once)."""
-        return self._pending == 0  # one int read: atomic under the GIL
+        last = self._last
+        return last is None or last.done()
 
     def close(self) -> None:
         """Finish the queued work and stop the thread."""
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._thread = None
+        self._executor.shutdown(wait=True)
 
-    def _loop(self) -> None:
-        failed: BaseException | None = None
-        if self._on_start is not None:
+
+class CommThreads:
+    """Where a communicator's operations run: now, or in order on its threads, watched.
+
+    Collectives share one thread, so they run in the order every rank issued them; sends to
+    each peer and receives from each peer get a thread of their own, as MPI_Isend/MPI_Irecv
+    would, so two ranks may each start a send to the other before receiving.
+
+    Args:
+        watchdog: told when each operation starts and ends (None: nobody watches).
+        on_start: run first on every thread (see ``OrderedWorker``).
+    """
+
+    def __init__(self, watchdog: Any, on_start: Callable[[], None]) -> None:
+        self.watchdog, self._on_start = watchdog, on_start
+        self._collectives = OrderedWorker(on_start)
+        self._p2p: dict[tuple[str, int], OrderedWorker] = {}  # (send|recv, peer) -> thread
+
+    def run(self, call: Callable[[], Any], api: str, peer: int | None = None) -> Any:
+        """Run ``call`` now, or behind the queued work it must not overtake; return its result."""
+        worker = self._collectives if peer is None else self._p2p.get((api, peer))
+        if worker is not None and not worker.idle():
+            return worker.submit(self._watched(call, api)).wait()
+        watchdog = self.watchdog
+        if watchdog is None:
+            return call()
+        watchdog.enter(api)  # as _watched does, without a closure: this is every blocking call
+        try:
+            return call()
+        finally:
+            watchdog.leave()
+
+    def start(self, call: Callable[[], Any], api: str, peer: int | None = None) -> Handle:
+        """Queue ``call`` on the collectives' thread (or the peer's) and return its Handle."""
+        if peer is None:
+            return self._collectives.submit(self._watched(call, api))
+        key = (api, peer)
+        if key not in self._p2p:
+            self._p2p[key] = OrderedWorker(self._on_start)
+        return self._p2p[key].submit(self._watched(call, api))
+
+    def close(self) -> None:
+        """Finish the queued work and stop the threads."""
+        self._collectives.close()
+        for worker in self._p2p.values():
+            worker.close()
+
+    def _watched(self, call: Callable[[], Any], api: str) -> Callable[[], Any]:
+        watchdog = self.watchdog
+        if watchdog is None:
+            return call
+
+        def watched() -> Any:
+            watchdog.enter(api)
             try:
-                self._on_start()
-            except BaseException as error:  # every queued handle gets it, none waits forever
-                failed = error
-        while True:
-            handle = self._queue.get()
-            if handle is None:
-                return
-            if failed is None:
-                handle._execute()
-            else:
-                handle._error = failed
-                handle._event.set()
-            with self._lock:
-                self._pending -= 1
+                return call()
+            finally:
+                watchdog.leave()
+
+        return watched

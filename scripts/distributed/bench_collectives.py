@@ -2,15 +2,17 @@
 
     mpirun -np 2 [--bind-to core] python scripts/distributed/bench_collectives.py [--min-bytes 4096]
         [--max-bytes 67108864] [--factor 4] [--dtype float32] [--ops allreduce,broadcast]
-        [--no-check] [--check-cost] [--backend mpi|nccl]
+        [--no-check] [--check-cost] [--backend mpi|nccl] [--new-arrays]
 
 For each operation and size, rank 0 prints the time through meta_dist (µs), its algbw and busbw
 (GB/s; nccl-tests formulas: allreduce busbw = algbw*2(n-1)/n, reduce_scatter and allgather
 algbw*(n-1)/n with S the total size, broadcast and sendrecv algbw), the raw call's time on the
 SAME buffers (mpi4py in-place Allreduce, Reduce_scatter_block, Allgather, Bcast, Send/Recv; with
 --backend nccl the raw cupy.cuda.nccl call), raw/meta_dist (> 1: meta_dist faster) and whether
-meta_dist's result was right. Everything runs in place. sendrecv is a ping-pong between ranks 0
-and 1; its time is one way (half a round trip).
+meta_dist's result was right. Everything runs in place, except that --new-arrays calls meta_dist
+as the Meta design writes it, ``x = meta_dist.allreduce(x)``: a new result array each call
+(the raw call stays in place: it is what the library offers). sendrecv is a ping-pong between
+ranks 0 and 1; its time is one way (half a round trip).
 
 Timing: after warmup, blocks of meta_dist calls and raw calls alternate (barrier before each
 block, order flipped every block) so drift hits both alike. Each call is timed alone; the time
@@ -37,12 +39,20 @@ BUS_FACTOR = {"allreduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n
               "sendrecv": lambda n: 1.0}
 
 
-def meta_call(op, comm, buf):
-    """Return a no-argument function running ``op`` through meta_dist, in place on ``buf``."""
+def meta_call(op, comm, buf, new_arrays=False):
+    """Return a no-argument function running ``op`` through meta_dist on ``buf``.
+
+    In place, or (``new_arrays``) returning a new result array each call.
+    """
     rank, size = comm.rank, comm.size
     mine = buf[rank * (buf.size // size):(rank + 1) * (buf.size // size)]
     if op == "sendrecv":
         return _ping_pong(rank, lambda p: comm.send(buf, p), lambda p: comm.recv(buf, p))
+    if new_arrays:
+        return {"allreduce": lambda: comm.allreduce(buf, "sum"),
+                "reduce_scatter": lambda: comm.reduce_scatter(buf, "sum"),
+                "allgather": lambda: comm.allgather(mine),
+                "broadcast": lambda: comm.broadcast(buf, 0)}[op]
     return {"allreduce": lambda: comm.allreduce(buf, "sum", out=buf),
             "reduce_scatter": lambda: comm.reduce_scatter(buf, "sum", out=mine),
             "allgather": lambda: comm.allgather(mine, out=buf),
@@ -65,10 +75,11 @@ def raw_nccl_call(op, raw, buf, rank, size):
     import cupy
     from cupy.cuda import nccl
 
-    from meta_dist.comm.nccl_backend import NCCL_DTYPES
+    from meta_dist.comm.nccl_backend import NCCL_DTYPE_NAMES
 
     stream = cupy.cuda.get_current_stream()
-    ptr, dt, m = buf.data.ptr, NCCL_DTYPES[buf.dtype.name], buf.size // size
+    ptr, m = buf.data.ptr, buf.size // size
+    dt = getattr(nccl, NCCL_DTYPE_NAMES[buf.dtype.name])
     mine = ptr + rank * m * buf.itemsize  # NCCL's in place: recvbuff == sendbuff + rank*count
     calls = {"allreduce": lambda: raw.allReduce(ptr, ptr, buf.size, dt, nccl.NCCL_SUM, stream.ptr),
              "reduce_scatter": lambda: raw.reduceScatter(ptr, mine, m, dt, nccl.NCCL_SUM,
@@ -103,17 +114,17 @@ def verify(op, run, buf, xp, rank, size):
     m = buf.size // size
     base = (xp.arange(buf.size) % 7).astype(buf.dtype)
     buf[...] = base + rank
-    run()
+    got = run()
     total = base * size + size * (size - 1) // 2
-    if op == "allreduce":
-        return bool((buf == total).all())
-    if op == "reduce_scatter":
-        return bool((buf[rank * m:(rank + 1) * m] == total[rank * m:(rank + 1) * m]).all())
-    if op == "allgather":
-        return bool((buf == base + xp.repeat(xp.arange(size), m).astype(buf.dtype)).all())
+    rows = slice(rank * m, (rank + 1) * m)
     if op == "sendrecv" and rank > 1:
         return True  # not part of the ping-pong
-    return bool((buf == base).all())  # broadcast from 0; the echo of rank 0's values
+    if got is not None and op != "sendrecv":  # a new array (or out, which is buf or its rows)
+        want = {"allreduce": total, "reduce_scatter": total[rows],
+                "allgather": base + xp.repeat(xp.arange(size), m).astype(buf.dtype),
+                "broadcast": base}[op]
+        return bool((got == want).all())
+    return bool((buf == base).all())  # the echo of rank 0's values
 
 
 def time_calls(run, iters):
@@ -150,6 +161,8 @@ def parse_args():
                    choices=("float16", "float32", "float64", "int32", "int64", "uint8"))
     p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of the default")
     p.add_argument("--backend", choices=("mpi", "nccl"), default="mpi")
+    p.add_argument("--new-arrays", action="store_true",
+                   help="meta_dist returns a new array each call (x = meta_dist.allreduce(x))")
     p.add_argument("--no-check", action="store_true",
                    help="communicator with check=False (no cross-rank shape check per call)")
     p.add_argument("--check-cost", action="store_true",
@@ -192,13 +205,14 @@ def main():
         nbytes *= args.factor
 
     def calls_for(op, buf, comm):
-        meta = meta_call(op, comm, buf)
+        meta = meta_call(op, comm, buf, args.new_arrays)
         if args.backend == "nccl":  # wait for the GPU after meta_dist's call as after raw's
             return (lambda: (meta(), sync())), raw_nccl_call(op, raw, buf, rank, size)
         return meta, raw_mpi_call(op, world, buf)
 
+    placement = "meta_dist into new arrays" if args.new_arrays else "in place"
     say(f"# {size} ranks, backend {args.backend}, {args.dtype}, check="
-        f"{'off' if args.no_check else 'on'}, in place; time = max over ranks of the median; "
+        f"{'off' if args.no_check else 'on'}, {placement}; time = max over ranks of the median; "
         f"bandwidth GB/s; raw/meta > 1 means meta_dist is faster")
     say(f"{'op':<15}{'bytes':>11}{'meta µs':>11}{'algbw':>8}{'busbw':>8}{'raw µs':>11}"
         f"{'busbw':>8}{'raw/meta':>9}  ok")

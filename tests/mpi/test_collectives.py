@@ -246,11 +246,11 @@ def test_async_send_recv_exchange_does_not_deadlock(comm):
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int64", "uint8"])
 @pytest.mark.parametrize("op", ["sum", "max", "prod"])
-def test_large_fused_list_in_place_without_copies(comm, connector, dtype, op):
-    """Lists of >= 256 KiB reduced in place move without fusion copies (comm/mpi_lists.py).
+def test_large_fused_list_in_place(comm, connector, dtype, op):
+    """A large list of separate arrays reduced in place (packed, one call, unpacked).
 
-    Odd lengths make the ranks' chunks uneven and cut arrays in the middle; calling twice on
-    the same arrays reuses the cached datatypes; a new list at recycled ids must not.
+    Odd lengths make the pairwise chunks uneven and cut arrays in the middle; new arrays each
+    round, some at recycled ids, must never see another round's values.
     """
     sizes = [7, 40001, 1, 30011, 5, 20017, 3]
     for round_ in range(3):
@@ -270,10 +270,10 @@ def test_large_fused_list_in_place_without_copies(comm, connector, dtype, op):
 
 
 LAYOUT_SHAPES = {
-    # under 256 KiB in all: one flat allreduce, packed or (adjacent) straight on the buffer
+    # one flat allreduce, packed or (adjacent) straight on the buffer: through the library
     "small": [(5,), (0,), (300,), (10, 7), (1,)],
-    # over it: 20000 and 30001 float64 (>= 64 KiB) go alone, the rest through datatypes
-    "large": [(5,), (0,), (20000,), (100, 70), (30001,), (1,), (3000,)],
+    # the same, large enough for the pairwise exchange to cut arrays at the chunk edges
+    "large": [(5,), (0,), (2000000,), (100, 70), (300001,), (1,), (3000,)],
 }
 
 
@@ -331,8 +331,8 @@ def test_list_in_place_on_some_ranks_only(comm, connector, size):
 @pytest.mark.parametrize("layout", ["separate", "adjacent"])
 def test_large_list_out_of_place(comm, connector, dtype, op, layout):
     """Out of place, a large list is read from the inputs and written to new arrays (out=None)
-    or to given ones; the inputs stay as they were, and a second call reuses the inputs' plan
-    however new the outputs are. Odd sizes cut arrays at the chunk edges; 2-D arrays too."""
+    or to given ones; the inputs stay as they were. Odd sizes cut arrays at the chunk edges;
+    2-D arrays too."""
     if not valid(op, dtype):
         pytest.skip("avg needs a floating dtype")
     shapes = [(7,), (301, 13), (1,), (60001,), (5003,), (0,), (9, 1001)]  # > 256 KiB
@@ -351,8 +351,6 @@ def test_large_list_out_of_place(comm, connector, dtype, op, layout):
         assert all(g is o for g, o in zip(got, given, strict=True))
         for a, x in zip(mine, inputs[comm.rank], strict=True):
             np.testing.assert_array_equal(a, x)
-    if comm.size > 1:  # one rank reduces nothing
-        assert len(comm._lists._plans) == 1  # one plan, the inputs', for all four calls
 
 
 def test_arrays_over_foreign_buffers(comm, connector):
@@ -421,10 +419,10 @@ def test_in_place_through_another_view_of_the_memory(comm, connector):
 @pytest.mark.mpi(min_size=2)
 def test_point_to_point_in_flight_beside_collectives(comm):
     """A send started before a collective must not be taken by the collective's internal
-    exchanges (the pairwise reduce_scatter and the list exchange use Sendrecv)."""
+    exchanges (the pairwise reduce_scatter uses Sendrecv)."""
     message = np.full(1000, 7.0, np.float32)
     send = np.ones(comm.size * 65536, np.float32)  # 256 KiB: the pairwise reduce_scatter
-    big = [np.ones(70000), np.ones(5), np.ones(30000)]  # the list datatype exchange
+    big = [np.ones(70000), np.ones(5), np.ones(30000)]  # a fused list
     if comm.rank == 0:
         sent = comm.send_async(message, peer=1)
         time.sleep(0.1)  # the message is on its way before the collectives start
@@ -436,33 +434,6 @@ def test_point_to_point_in_flight_beside_collectives(comm):
         sent.wait()
     np.testing.assert_array_equal(part, np.full(65536, comm.size, np.float32))
     np.testing.assert_array_equal(big[1], np.full(5, comm.size))
-
-
-def test_list_plan_dies_with_any_of_its_arrays():
-    """Cached list plans are keyed by the arrays' ids; a freed array's id can come back on a
-    new array, so a plan must never serve once one of its arrays is gone. Nor may an array's
-    data move while the plan lives."""
-    import gc
-
-    from mpi4py import MPI
-
-    from meta_dist.comm.mpi_lists import ListAllreduce
-    from meta_dist.comm.mpi_ops import UFUNCS
-
-    lists = ListAllreduce(MPI.COMM_SELF, UFUNCS)
-    arrays = [np.ones(5), np.ones(70000)]
-    plan = lists._plan(arrays)
-    assert lists._plan(arrays) is plan and plan.holds()
-    with pytest.raises(ValueError, match="cannot resize"):  # numpy: not under a weakref, so
-        arrays[1].resize(80000, refcheck=False)  # the plan's addresses stay the data's
-    newcomer = [np.ones(5), np.ones(70000)]
-    del arrays[1]
-    gc.collect()
-    assert not plan.holds()
-    lists._plans[tuple(map(id, newcomer))] = plan  # as if the ids had been recycled
-    fresh = lists._plan(newcomer)
-    assert fresh is not plan and fresh.holds()
-    lists.clear()
 
 
 def test_contiguous_arrays_are_views_of_one_buffer():

@@ -35,8 +35,8 @@ def test_mismatched_dtype_and_collective(comm):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_mismatch_is_caught_on_the_fast_paths_too(comm):
-    """One numpy array in place or with out= skips the general plan; the check still runs."""
+def test_mismatch_is_caught_in_place_and_with_out(comm):
+    """One numpy array in place or with out=: the check runs before anything moves."""
     r, n = comm.rank, comm.size
     x = np.arange(3.0 + r)
     with pytest.raises(ValueError, match=r"rank 0: allreduce of float64 \(3,\)"):
@@ -177,9 +177,9 @@ def test_unknown_backend(connector):
         make_communicator("gloo", connector)
 
 
-def test_backend_array_check_runs_on_every_path(connector):
-    """The fast paths for clean numpy arrays and lists still ask the backend (NCCL refuses
-    host arrays there); a backend hook that refuses everything must see every call."""
+def test_backend_array_check_runs_on_every_call(connector):
+    """Every call asks the backend about its arrays, outputs included (NCCL refuses host
+    arrays there); a backend hook that refuses everything must see every call."""
     from meta_dist.comm.mpi_backend import MpiCommunicator
 
     class Refusing(MpiCommunicator):
@@ -194,7 +194,7 @@ def test_backend_array_check_runs_on_every_path(connector):
             c.allreduce([np.ones(2)] * 3)
         with pytest.raises(TypeError, match="allgather: refused 1 array"):
             c.allgather(np.ones(2, np.float32))
-        x = np.ones(2 * c.size)  # the single-array fast paths (in place, or out given)
+        x = np.ones(2 * c.size)  # in place, or out given
         for call in (lambda: c.allreduce(x, out=x), lambda: c.broadcast(x, out=x),
                      lambda: c.reduce_scatter(x, out=np.empty(2)),
                      lambda: c.allgather(x[:2], out=np.empty(2 * c.size))):
@@ -205,7 +205,7 @@ def test_backend_array_check_runs_on_every_path(connector):
 
 
 def test_read_only_array_in_an_in_place_list_is_refused(comm):
-    big = [np.ones(40000), np.ones(40000)]  # >= 256 KiB: the zero-copy list path
+    big = [np.ones(40000), np.ones(40000)]
     big[1].flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
         comm.allreduce(big, out=big)

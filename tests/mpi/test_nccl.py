@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from conftest import same_on_every_rank
 from test_collectives import DTYPES, LENGTHS, OPS, assert_matches, rank_input, reference, valid
-from test_staging import staged_communicator
 
 from meta_dist import make_communicator
 from meta_dist.comm import nccl_backend
@@ -247,7 +246,7 @@ def test_send_recv(ncomm, gpu):
 @pytest.mark.parametrize("dtype,op", [("float32", "sum"), ("float64", "avg"), ("uint8", "sum"),
                                       ("int32", "max")])
 def test_cupy_arrays_through_mpi_backend(connector, gpu, dtype, op):
-    comm = staged_communicator(connector)  # CUDA-aware when every rank's MPI says so
+    comm = make_communicator("mpi", connector)  # staged, or META_DIST_CUDA_AWARE_MPI=1
     try:
         for n in (7, 70001):
             inputs = [rank_input(n, r, (n * comm.size,), dtype, op) for r in range(comm.size)]

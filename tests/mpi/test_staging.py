@@ -1,76 +1,37 @@
-"""Host staging and the library path of meta_dist.comm.staging, on numpy arrays through real MPI.
+"""Host staging of meta_dist.comm.staging, on numpy arrays through real MPI.
 
 ``HostStaging(force=True)`` stages numpy arrays exactly as it stages CuPy arrays (separate host
-buffers, aliasing by identity), so the logic runs here without a GPU. Staged results must be
-bit-identical to the unstaged MPI backend (the same numpy primitive runs on copies). The library
-path (``cuda_aware=True``) is one MPI call per primitive: it matches the numpy reference.
+buffers, aliasing by identity), so the logic runs here without a GPU; ``cuda_aware=True`` hands
+the arrays to the primitive as they are (what a CUDA-aware MPI gets). Either way the results
+must be bit-identical to the unstaged MPI backend: the same numpy primitive runs on copies.
 """
-
-import sys
 
 import numpy as np
 import pytest
 from conftest import same_on_every_rank
-from test_collectives import (
-    DTYPES,
-    OPS,
-    assert_matches,
-    check_allgather,
-    rank_input,
-    reference,
-)
+from test_collectives import DTYPES, OPS, check_allgather, rank_input
 
 from meta_dist.comm.mpi_backend import MpiCommunicator
-from meta_dist.comm.staging import (
-    ENV_CUDA_AWARE,
-    HostStaging,
-    cuda_aware_mpi,
-    loaded_mpi_libraries,
-    staged,
-)
+from meta_dist.comm.staging import ENV_CUDA_AWARE, HostStaging, cuda_aware_requested
 
 LENGTHS = [1, 7, 70001]  # 70001 float32/float64 elements take the pairwise path when staged
-MODES = ["staged", "library"]
-# every dtype with sum (uint8 sums wrap: the library path hands them to numpy), every op on one
+MODES = ["staged", "direct"]
+# every dtype with sum (uint8 sums wrap: numpy reduces them), every op on one
 DTYPE_OPS = [(d, "sum") for d in DTYPES] + [("float32", op) for op in OPS if op != "sum"]
-
-
-class StagedMpi(MpiCommunicator):
-    """The MPI backend with every primitive routed through ``self.staging``.
-
-    ``staged`` keeps an existing decoration, so this is the MPI backend itself once
-    mpi_backend.py decorates its primitives.
-    """
-
-    _allreduce = staged("allreduce")(MpiCommunicator._allreduce)
-    _reduce_scatter = staged("reduce_scatter")(MpiCommunicator._reduce_scatter)
-    _allgather = staged("allgather")(MpiCommunicator._allgather)
-    _broadcast = staged("broadcast")(MpiCommunicator._broadcast)
-    _reduce = staged("reduce")(MpiCommunicator._reduce)
-    _send = staged("send")(MpiCommunicator._send)
-    _recv = staged("recv")(MpiCommunicator._recv)
 
 
 def staged_communicator(connector, **staging):
     """Return an MPI communicator whose primitives go through HostStaging(**staging)."""
-    comm = StagedMpi(connector)
-    comm.staging = HostStaging(comm._comm, **staging)
+    comm = MpiCommunicator(connector)
+    comm.staging = HostStaging(**staging)
     return comm
 
 
 @pytest.fixture(params=MODES)
 def scomm(request, connector):
-    comm = staged_communicator(connector, force=True, cuda_aware=request.param == "library")
+    comm = staged_communicator(connector, force=True, cuda_aware=request.param == "direct")
     yield comm
     comm.close()
-
-
-def same(got, unstaged, inputs, op, scomm):
-    """Staging: bit-identical to the unstaged backend. Library path: matches the reference."""
-    if not scomm.staging.cuda_aware:
-        np.testing.assert_array_equal(got, unstaged)
-    else:
-        assert_matches(got, reference(inputs, op), scomm.size)
 
 
 @pytest.mark.parametrize("dtype,op", DTYPE_OPS)
@@ -79,10 +40,10 @@ def test_allreduce(scomm, comm, connector, dtype, op):
         inputs = [rank_input(n, r, (n,), dtype, op) for r in range(comm.size)]
         mine = inputs[comm.rank].copy()
         unstaged = comm.allreduce(mine, op)
-        same(scomm.allreduce(mine, op), unstaged, inputs, op, scomm)
+        np.testing.assert_array_equal(scomm.allreduce(mine, op), unstaged)
         np.testing.assert_array_equal(mine, inputs[comm.rank])  # out of place: input untouched
         assert scomm.allreduce(mine, op, out=mine) is mine
-        same(mine, unstaged, inputs, op, scomm)
+        np.testing.assert_array_equal(mine, unstaged)
         assert same_on_every_rank(connector, mine)
 
 
@@ -93,10 +54,7 @@ def test_reduce_scatter(scomm, comm, dtype, op):
         rows = slice(comm.rank * m, (comm.rank + 1) * m)
         unstaged = comm.reduce_scatter(inputs[comm.rank], op)
         got = scomm.reduce_scatter(inputs[comm.rank], op)
-        if scomm.staging.cuda_aware:
-            assert_matches(got, reference(inputs, op)[rows], comm.size)
-        else:
-            np.testing.assert_array_equal(got, unstaged)
+        np.testing.assert_array_equal(got, unstaged)
         buf = inputs[comm.rank].copy()
         scomm.reduce_scatter(buf, op, out=buf[rows])  # in place: recv = send + rank*m
         np.testing.assert_array_equal(buf[rows], got)
@@ -133,9 +91,9 @@ def test_reduce(scomm, comm, dtype, op):
         if comm.rank != root:
             assert got is None and in_place is None
             continue
-        same(got, unstaged, inputs, op, scomm)
+        np.testing.assert_array_equal(got, unstaged)
         assert in_place is buf
-        same(buf, unstaged, inputs, op, scomm)
+        np.testing.assert_array_equal(buf, unstaged)
 
 
 def test_fused_lists(scomm):
@@ -165,7 +123,7 @@ def test_send_recv(scomm):
 
 
 def test_aliasing_follows_identity_and_buffers_are_reused():
-    staging = HostStaging(None, force=True, cuda_aware=False)
+    staging = HostStaging(force=True)
     seen = []
 
     def fn(send, recv, op):
@@ -192,28 +150,30 @@ def test_aliasing_follows_identity_and_buffers_are_reused():
 
 
 def test_nothing_wanted_without_force_or_device_arrays():
-    staging = HostStaging(None, cuda_aware=False)
+    staging = HostStaging()
     assert not staging.wanted((np.ones(3), np.ones(3), "sum"))
-    assert HostStaging(None, force=True, cuda_aware=False).wanted((np.ones(3), None, "sum", 0))
+    assert HostStaging(force=True).wanted((np.ones(3), None, "sum", 0))
 
 
-def test_cuda_aware_env_override(monkeypatch, connector):
-    monkeypatch.setenv(ENV_CUDA_AWARE, "1")
-    assert cuda_aware_mpi() is True
-    comm = MpiCommunicator(connector)
-    try:  # the collective decision agrees with every rank
-        assert HostStaging(comm._comm).cuda_aware is True
-        monkeypatch.setenv(ENV_CUDA_AWARE, "0")
-        assert cuda_aware_mpi() is False
-        assert HostStaging(comm._comm).cuda_aware is False
-    finally:
-        comm.close()
-
-
-def test_pypi_wheel_mpi_is_not_cuda_aware(monkeypatch, connector):
+def test_cuda_aware_is_an_explicit_opt_in(monkeypatch, connector):
+    """No probing of the library: staging unless META_DIST_CUDA_AWARE_MPI says otherwise, and
+    the setting is one every rank must share (it decides which calls a collective makes)."""
     monkeypatch.delenv(ENV_CUDA_AWARE, raising=False)
-    libraries = loaded_mpi_libraries()
-    from_wheel = bool(libraries) and all(p.startswith(sys.prefix) for p in libraries)
-    if not all(connector.allgather(from_wheel)):
-        pytest.skip(f"libmpi is not the PyPI wheel's in {sys.prefix}; got {libraries}")
-    assert cuda_aware_mpi() is False
+    assert cuda_aware_requested() is False
+    comm = MpiCommunicator(connector)
+    assert comm.staging.cuda_aware is False
+    comm.close()
+    for value, expected in (("1", True), ("yes", True), ("0", False), ("off", False)):
+        monkeypatch.setenv(ENV_CUDA_AWARE, value)
+        assert cuda_aware_requested() is expected
+    monkeypatch.setenv(ENV_CUDA_AWARE, "1")
+    comm = MpiCommunicator(connector)
+    assert comm.staging.cuda_aware is True
+    comm.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_cuda_aware_setting_must_agree(monkeypatch, connector):
+    monkeypatch.setenv(ENV_CUDA_AWARE, "1" if connector.rank == 0 else "0")
+    with pytest.raises(ValueError, match=r"settings differ across ranks.*cuda_aware_mpi"):
+        MpiCommunicator(connector)

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from meta_dist.comm.base import DTYPES, REDUCE_OPS
+from meta_dist.comm.checks import DTYPES, REDUCE_OPS
 from meta_dist.comm.nccl_backend import (
     INSTALL_HINT,
-    NCCL_DTYPES,
-    NCCL_OPS,
+    NCCL_DTYPE_NAMES,
+    NCCL_OP_NAMES,
     NcclCommunicator,
     decode_nccl_version,
     nccl_unavailable_reason,
@@ -57,24 +57,25 @@ def test_decode_nccl_version():
 
 
 def test_tables_cover_every_dtype_and_op():
-    assert set(NCCL_DTYPES) == {d.name for d in DTYPES}
-    assert set(NCCL_OPS) == set(REDUCE_OPS)
-    assert NCCL_OPS["avg"] == NCCL_OPS["sum"]  # the base divides by size once
+    assert set(NCCL_DTYPE_NAMES) == {d.name for d in DTYPES}
+    assert set(NCCL_OP_NAMES) == set(REDUCE_OPS)
+    assert NCCL_OP_NAMES["avg"] == NCCL_OP_NAMES["sum"]  # the base divides by size once
 
 
-def test_tables_match_cupy_names():
+def test_tables_name_what_cupy_has():
+    """The constants come from cupy.cuda.nccl itself; each name must exist there with the value
+    nccl.h gives it (gpu_facts.md section 1)."""
     if cupy_or_none() is None:
         pytest.skip("cupy does not import here; pip install 'meta_dist[gpu]'")
     from cupy.cuda import nccl
 
     if not nccl.available:
         pytest.skip("cupy.cuda.nccl could not load libnccl.so.2")
-    names = {"uint8": nccl.NCCL_UINT8, "int32": nccl.NCCL_INT32, "int64": nccl.NCCL_INT64,
-             "float16": nccl.NCCL_FLOAT16, "float32": nccl.NCCL_FLOAT32,
-             "float64": nccl.NCCL_FLOAT64}
-    assert names == NCCL_DTYPES
-    assert {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_SUM, "prod": nccl.NCCL_PROD,
-            "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN} == NCCL_OPS
+    nccl_h = {"NCCL_UINT8": 1, "NCCL_INT32": 2, "NCCL_INT64": 4, "NCCL_FLOAT16": 6,
+              "NCCL_FLOAT32": 7, "NCCL_FLOAT64": 8, "NCCL_SUM": 0, "NCCL_PROD": 1,
+              "NCCL_MAX": 2, "NCCL_MIN": 3}
+    for name in (*NCCL_DTYPE_NAMES.values(), *NCCL_OP_NAMES.values()):
+        assert getattr(nccl, name) == nccl_h[name], name
 
 
 def test_ranks_problem_names_every_rank():

@@ -1,0 +1,282 @@
+"""What each operation does between its arguments and the backend's primitive.
+
+Imports numpy and meta_dist.comm.checks / consistency / xp; ``comm.base`` calls these, once per
+call. A plan checks the call's arguments on this rank now and returns a closure that runs it
+later (at once, or on the communication thread): the ranks compare their calls, a list is fused
+into one flat buffer (``Fusion``), the backend's primitive moves it, "avg" divides once, and the
+result is unpacked where it is due. Every choice that shapes the library calls depends only on
+what every rank shares (sizes, dtype, op, root), never on where a rank's arrays lie, so ranks
+whose lists are laid out differently still make the same calls.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from meta_dist.comm import checks
+from meta_dist.comm.checks import DTYPES, REDUCE_OPS, SCATTER_OPS, flat_view
+from meta_dist.comm.consistency import shape_code
+from meta_dist.xp import array_module, split_buffer
+
+if TYPE_CHECKING:
+    from meta_dist.comm.base import Communicator
+
+Run = Callable[[], Any]
+RECYCLE_MIN_BYTES, RECYCLED_BUFFERS = 2**20, 2  # results recycled from this size; how many
+
+
+def allreduce(c: Communicator, send: Any, op: str, out: Any) -> Run:
+    """Plan ``Communicator.allreduce``."""
+    sends, is_list = c._inputs("allreduce", send)
+    checks.check_op("allreduce", op, REDUCE_OPS, sends[0].dtype)
+    outs, fresh = c._outputs("allreduce", out, sends, None, is_list)
+
+    def run() -> Any:
+        c._fingerprint("allreduce", sends, op=op)
+        flat_send, flat_out, unpack_into = c.fusion.fuse(sends, outs, fresh)
+        c._allreduce(flat_send, flat_out, op)
+        c._average(flat_out, op)
+        unpack(flat_out, unpack_into)
+        return outs if is_list else outs[0]
+
+    return run
+
+
+def reduce_scatter(c: Communicator, send: Any, op: str, out: Any) -> Run:
+    """Plan ``Communicator.reduce_scatter``."""
+    sends, is_list = c._inputs("reduce_scatter", send)
+    checks.check_op("reduce_scatter", op, SCATTER_OPS, sends[0].dtype)
+    checks.check_rows("reduce_scatter", sends, c.size)
+    shapes = [checks.scatter_shape(s.shape, c.size) for s in sends]
+    outs, _ = c._outputs("reduce_scatter", out, sends, shapes, is_list)
+
+    def run() -> Any:
+        c._fingerprint("reduce_scatter", sends, op=op)
+        if len(sends) == 1:
+            mine = flat_view(outs[0])
+            c._reduce_scatter(flat_view(sends[0]), mine, op)
+        else:  # rank-major packing: rank r's segment holds row block r of every array
+            parts = [s.reshape(c.size, -1) for s in sends]
+            buf = c.fusion.pack([p[r] for r in range(c.size) for p in parts])
+            seg = buf.size // c.size
+            mine = buf[c.rank * seg : (c.rank + 1) * seg]
+            c._reduce_scatter(buf, mine, op)
+        c._average(mine, op)
+        unpack(mine, outs if len(sends) > 1 else None)
+        return outs if is_list else outs[0]
+
+    return run
+
+
+def allgather(c: Communicator, send: Any, out: Any) -> Run:
+    """Plan ``Communicator.allgather``."""
+    sends, is_list = c._inputs("allgather", send)
+    checks.check_axis0("allgather", sends)
+    shapes = [checks.gather_shape(s.shape, c.size) for s in sends]
+    outs, _ = c._outputs("allgather", out, sends, shapes, is_list)
+
+    def run() -> Any:
+        c._fingerprint("allgather", sends)
+        if len(sends) == 1:
+            c._allgather(flat_view(sends[0]), flat_view(outs[0]))
+            return outs if is_list else outs[0]
+        seg = sum(s.size for s in sends)
+        buf = c.fusion.buffer(sends[0], seg * c.size)
+        mine = buf[c.rank * seg : (c.rank + 1) * seg]
+        c.fusion.pack(sends, into=mine)
+        c._allgather(mine, buf)
+        by_rank, start = buf.reshape(c.size, seg), 0
+        for o, s in zip(outs, sends, strict=True):
+            o.reshape(c.size, -1)[...] = by_rank[:, start : start + s.size]
+            start += s.size
+        return outs
+
+    return run
+
+
+def broadcast(c: Communicator, buf: Any, root: int, out: Any) -> Run:
+    """Plan ``Communicator.broadcast``."""
+    bufs, is_list = c._inputs("broadcast", buf)
+    checks.check_rank("broadcast", "root", root, c.size)
+    outs, fresh = c._outputs("broadcast", out, bufs, None, is_list)
+
+    def run() -> Any:
+        c._fingerprint("broadcast", bufs, root=root)
+        is_root = c.rank == root
+        flat_buf, flat_out, unpack_into = c.fusion.fuse(bufs, outs, fresh, pack=is_root)
+        if is_root and flat_out is not flat_buf:
+            flat_out[...] = flat_buf
+        c._broadcast(flat_out, root)
+        unpack(flat_out, unpack_into)
+        return outs if is_list else outs[0]
+
+    return run
+
+
+def reduce(c: Communicator, send: Any, root: int, op: str, out: Any) -> Run:
+    """Plan ``Communicator.reduce``."""
+    sends, is_list = c._inputs("reduce", send)
+    checks.check_rank("reduce", "root", root, c.size)
+    checks.check_op("reduce", op, REDUCE_OPS, sends[0].dtype)
+    is_root = c.rank == root
+    outs, fresh = c._outputs("reduce", out, sends, None, is_list) if is_root else (None, None)
+
+    def run() -> Any:
+        c._fingerprint("reduce", sends, op=op, root=root)
+        flat_send, flat_out, unpack_into = c.fusion.fuse(sends, outs, fresh)
+        c._reduce(flat_send, flat_out, op, root)
+        if not is_root:
+            return None
+        c._average(flat_out, op)
+        unpack(flat_out, unpack_into)
+        return outs if is_list else outs[0]
+
+    return run
+
+
+def send(c: Communicator, send: Any, peer: int) -> Run:
+    """Plan ``Communicator.send``: a header first (with the check on), then the data."""
+    sends, _ = c._inputs("send", send)
+    checks.check_rank("send", "peer", peer, c.size)
+
+    def run() -> None:
+        if c.check:
+            header = np.array([DTYPES.index(sends[0].dtype), sum(s.size for s in sends),
+                               shape_code([s.shape for s in sends])], np.int64)
+            c._check_comm.Send(header, dest=peer)
+        # a list gets its own buffer: a send may run beside a collective on another thread
+        total = sum(s.size for s in sends)
+        c._send(flat_view(sends[0]) if len(sends) == 1 else c.fusion.pack(
+            sends, into=array_module(sends[0]).empty(total, sends[0].dtype)), peer)
+
+    return run
+
+
+def recv(c: Communicator, out: Any, peer: int) -> Run:
+    """Plan ``Communicator.recv``: a sender whose header differs is drained, then refused."""
+    outs, is_list = c._inputs("recv", out)
+    checks.check_rank("recv", "peer", peer, c.size)
+    for o in outs:
+        checks.check_writable("recv", o)
+    total = sum(o.size for o in outs)
+
+    def run() -> Any:
+        if c.check:
+            header = np.empty(3, np.int64)
+            c._check_comm.Recv(header, source=peer)
+            sent_dtype = DTYPES[int(header[0])]
+            if (sent_dtype, int(header[1]), int(header[2])) != (
+                    outs[0].dtype, total, shape_code([o.shape for o in outs])):
+                c._recv(array_module(outs[0]).empty(int(header[1]), sent_dtype), peer)  # drain
+                raise ValueError(
+                    f"recv: rank {peer} sent {int(header[1])} elements of {sent_dtype} with "
+                    f"other shapes; this rank ({c.rank}) expected {total} elements of "
+                    f"{outs[0].dtype} shaped {[o.shape for o in outs]}; send and recv must use "
+                    "the same shapes and dtype")
+        if len(outs) == 1:
+            c._recv(flat_view(outs[0]), peer)
+        else:
+            buf = array_module(outs[0]).empty(total, outs[0].dtype)  # not the shared one
+            c._recv(buf, peer)
+            unpack(buf, outs)
+        return outs if is_list else outs[0]
+
+    return run
+
+
+class Fusion:
+    """The buffers a communicator fuses lists in, and the results it makes.
+
+    Args:
+        address: returns an array's data address (the backend's cheapest way).
+    """
+
+    def __init__(self, address: Callable[[Any], int]) -> None:
+        self.address = address
+        self._buffers: dict[tuple[str, np.dtype], Any] = {}
+        self._recycled: list[np.ndarray] = []  # large result buffers, see new_buffer
+
+    def fuse(self, sends: list[Any], outs: list[Any] | None, fresh: Any,
+             pack: bool = True) -> tuple[Any, Any, list[Any] | None]:
+        """Return flat (send, out) buffers for a collective whose result has the inputs' layout.
+
+        ``fresh`` is the new buffer the outputs are views of (None: they were given). The third
+        item lists the outputs to unpack the result into afterwards (None: the flat out is
+        already their memory). ``outs`` None (reduce off the root) gives out None. ``pack``
+        False leaves the buffer's values unset (broadcast off the root).
+        """
+        if len(sends) == 1:  # [x] is the call x: the same library calls on every rank
+            flat = flat_view(sends[0])
+            if outs is None or outs[0] is sends[0]:
+                return flat, None if outs is None else flat, None
+            return flat, flat_view(outs[0]), None
+        if fresh is not None:
+            if pack:
+                self.pack(sends, into=fresh)
+            return fresh, fresh, None
+        if outs is sends:  # in place: a list lying back to back in one buffer is that buffer
+            run = checks.adjacent_run(sends, self.address)
+            if run is not None:
+                return run, run, None
+        buf = self.pack(sends) if pack else self.buffer(sends[0], sum(s.size for s in sends))
+        return buf, None if outs is None else buf, outs
+
+    def buffer(self, like: Any, numel: int) -> Any:
+        """Return the reused buffer of ``numel`` elements (fresh ones cost page faults)."""
+        xp = array_module(like)
+        key = (xp.__name__, like.dtype)
+        buf = self._buffers.get(key)
+        if buf is None or buf.size < numel:
+            buf = self._buffers[key] = xp.empty(numel, like.dtype)
+        return buf[:numel]
+
+    def pack(self, arrays: list[Any], into: Any = None) -> Any:
+        """Copy arrays one after another into ``into`` (default: the reused buffer)."""
+        if into is None:
+            into = self.buffer(arrays[0], sum(a.size for a in arrays))
+        array_module(arrays[0]).concatenate([flat_view(a) for a in arrays], out=into)
+        return into
+
+    def new_buffer(self, like: Any, numel: int) -> Any:
+        """Return a new result buffer; large host ones are recycled once nothing refers to them.
+
+        The kernel zeroes every fresh page a large array first touches, and MPI registers each
+        new address again; ``x = meta_dist.allreduce(x)`` frees such an array every call and
+        asks for another of the same size. A buffer here is handed out again only when this
+        list holds the sole reference (every view of it keeps it alive through ``.base``).
+        """
+        xp = array_module(like)
+        if xp is not np or numel * like.itemsize < RECYCLE_MIN_BYTES:
+            return xp.empty(numel, like.dtype)
+        for i in range(len(self._recycled)):
+            held = self._recycled[i]
+            # references: the list, ``held`` and getrefcount's argument; any more is a user's
+            if held.size == numel and held.dtype == like.dtype and sys.getrefcount(held) == 3:
+                return held[:]
+        held = np.empty(numel, like.dtype)
+        self._recycled = [*self._recycled[1 - RECYCLED_BUFFERS :], held]
+        return held[:]
+
+    def outputs(self, like: Any, shapes: list[tuple[int, ...]]) -> tuple[list[Any], Any]:
+        """Return new outputs of ``shapes`` as views of one new buffer, and the buffer."""
+        buffer = self.new_buffer(like, sum(math.prod(shape) for shape in shapes))
+        return split_buffer(buffer, shapes), buffer
+
+    def clear(self) -> None:
+        """Release every buffer."""
+        self._buffers.clear()
+        self._recycled.clear()
+
+
+def unpack(buf: Any, outs: list[Any] | None) -> None:
+    """Copy a flat buffer into contiguous arrays, one after another (nothing for None)."""
+    start = 0
+    for o in outs or ():
+        stop = start + o.size
+        (o if o.ndim == 1 else o.reshape(-1))[...] = buf[start:stop]
+        start = stop
