@@ -15,9 +15,11 @@ import types
 
 import numpy as np
 
+from meta_dist.nn.grad_blocks import write_grad
 from meta_dist.xp import array_module
 
 GELU_TANH_COEF = math.sqrt(2.0 / math.pi)
+INIT_BLOCK = 1 << 16  # elements drawn at a time for initial values
 GELU_CUBIC_COEF = 0.044715
 
 
@@ -34,8 +36,14 @@ class Layer:
     therefore read ``self.params[name]`` at call time and never keep another reference, and
     ``backward`` WRITES this pass's gradient INTO the existing ``grads[name]`` array in place
     (``out=`` or ``g[...] = value``), never rebinding the dict entry. Semantics are overwrite,
-    not accumulate: after ``backward`` the grads hold exactly this pass's gradient.
+    not accumulate: after ``backward`` the grads hold exactly this pass's gradient. ``backward``
+    writes the gradients in the order of ``params`` (ZeRO lays them out so that a backward pass
+    writes at ever lower offsets). A layer whose class sets ``grad_rows`` writes each one
+    through ``nn.grad_blocks.write_grad``, so ZeRO may hand it a GradBlocks instead of an
+    array and take a gradient larger than a bucket one block of rows at a time.
     """
+
+    grad_rows = False
 
     def __init__(self) -> None:
         self.params: dict[str, object] = {}
@@ -56,12 +64,25 @@ class Layer:
     def _add_param(self, name: str, value: np.ndarray, dtype, xp: types.ModuleType) -> None:
         """Move a host-drawn value onto ``xp`` as ``params[name]``, with a zero grad beside it."""
         self.params[name] = xp.asarray(value, dtype=dtype)
-        self.grads[name] = xp.zeros_like(self.params[name])
+        # zeros, not zeros_like: numpy's zeros leaves untouched pages to the kernel (no memory
+        # until written), and ZeRO rebinds these grads to its own buffers before any write
+        self.grads[name] = xp.zeros(self.params[name].shape, dtype=self.params[name].dtype)
 
 
-def _uniform(rng: np.random.Generator, bound: float, shape: tuple[int, ...]) -> np.ndarray:
-    """Draw U(-bound, bound) on the host, so every rank with the same seed agrees."""
-    return rng.uniform(-bound, bound, size=shape)
+def _uniform(rng: np.random.Generator, bound: float, shape: tuple[int, ...],
+             dtype=np.float32) -> np.ndarray:
+    """Draw U(-bound, bound) on the host, so every rank with the same seed agrees.
+
+    Drawn in blocks straight into ``dtype``: one float64 draw of a large layer (and numpy's
+    temporary for the scaling) would take three times the layer's memory for a moment. The
+    values are those of one draw of the whole shape (the generator's stream is sequential).
+    """
+    out = np.empty(shape, dtype)
+    flat = out.reshape(-1)
+    for start in range(0, flat.size, INIT_BLOCK):
+        stop = min(start + INIT_BLOCK, flat.size)
+        flat[start:stop] = rng.uniform(-bound, bound, size=stop - start)
+    return out
 
 
 def _pair(api: str, name: str, value, minimum: int) -> tuple[int, int]:
@@ -147,6 +168,8 @@ class Linear(Layer):
     are treated as batch axes.
     """
 
+    grad_rows = True
+
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
                  rng: np.random.Generator, dtype=np.float32, xp: types.ModuleType = np) -> None:
         """Create the layer with PyTorch's default initialisation.
@@ -168,9 +191,10 @@ class Linear(Layer):
         self.in_features = _positive("Linear", "in_features", in_features)
         self.out_features = _positive("Linear", "out_features", out_features)
         bound = 1.0 / math.sqrt(in_features)
-        self._add_param("weight", _uniform(rng, bound, (in_features, out_features)), dtype, xp)
+        self._add_param("weight", _uniform(rng, bound, (in_features, out_features), dtype), dtype,
+                        xp)
         if bias:
-            self._add_param("bias", _uniform(rng, bound, (out_features,)), dtype, xp)
+            self._add_param("bias", _uniform(rng, bound, (out_features,), dtype), dtype, xp)
         self.x = None
 
     def forward(self, x):
@@ -195,9 +219,11 @@ class Linear(Layer):
         """
         x2 = self.x.reshape(-1, self.in_features)
         d2 = dout.reshape(-1, self.out_features)
-        _matmul_into(x2.T, d2, self.grads["weight"])
+        write_grad(self.grads["weight"], lambda first, stop, out: _matmul_into(
+            x2[:, first:stop].T, d2, out))
         if "bias" in self.grads:
-            d2.sum(axis=0, out=self.grads["bias"])
+            write_grad(self.grads["bias"],
+                       lambda first, stop, out: d2[:, first:stop].sum(axis=0, out=out))
         if not self.input_grad:
             return None
         return dout @ self.params["weight"].T
@@ -210,6 +236,8 @@ class Conv2d(Layer):
     batched matmul, which yields NCHW output directly with no transpose copy. Backward computes
     dW by a batched matmul summed over the batch, and col2im by looping over kernel offsets.
     """
+
+    grad_rows = True
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, *,
                  bias: bool = True, rng: np.random.Generator, dtype=np.float32,
@@ -240,9 +268,9 @@ class Conv2d(Layer):
         kh, kw = self.kernel_size
         bound = 1.0 / math.sqrt(in_channels * kh * kw)
         shape = (out_channels, in_channels, kh, kw)
-        self._add_param("weight", _uniform(rng, bound, shape), dtype, xp)
+        self._add_param("weight", _uniform(rng, bound, shape, dtype), dtype, xp)
         if bias:
-            self._add_param("bias", _uniform(rng, bound, (out_channels,)), dtype, xp)
+            self._add_param("bias", _uniform(rng, bound, (out_channels,), dtype), dtype, xp)
         self.cols = None
         self.padded_hw = None
         self.x_hw = None
@@ -277,13 +305,17 @@ class Conv2d(Layer):
         grad_w = self.grads["weight"]
         # (N, out, in*kh*kw) temporary, then a sum over N: measured faster than one tensordot,
         # which would copy the whole im2col matrix into a transposed layout first.
-        per_sample = xp.matmul(d3, self.cols.transpose(0, 2, 1))
-        if grad_w.flags.c_contiguous:
-            per_sample.sum(axis=0, out=grad_w.reshape(per_sample.shape[1:]))
-        else:
-            grad_w[...] = per_sample.sum(axis=0).reshape(grad_w.shape)
+        def weight_rows(first: int, stop: int, out) -> None:
+            per_sample = xp.matmul(d3[:, first:stop], self.cols.transpose(0, 2, 1))
+            if out.flags.c_contiguous:
+                per_sample.sum(axis=0, out=out.reshape(per_sample.shape[1:]))
+            else:
+                out[...] = per_sample.sum(axis=0).reshape(out.shape)
+
+        write_grad(grad_w, weight_rows)
         if "bias" in self.grads:
-            d3.sum(axis=(0, 2), out=self.grads["bias"])
+            write_grad(self.grads["bias"],
+                       lambda first, stop, out: d3[:, first:stop].sum(axis=(0, 2), out=out))
         if not self.input_grad:
             return None
         dcols = xp.matmul(weight.reshape(self.out_channels, -1).T, d3)

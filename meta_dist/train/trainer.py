@@ -10,6 +10,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,7 @@ from meta_dist.nn.model import Sequential
 from meta_dist.optim import make_optimizer
 from meta_dist.train.data import DistributedSampler
 from meta_dist.xp import gpu_count, is_cupy_array, select_device
-from meta_dist.zero import STAGES, FlatModel, ZeroStage, plan_buckets
+from meta_dist.zero import STAGES, FlatModel, ZeroStage
 
 LossFn = Callable[[Any, Any], tuple[Any, Any]]
 OPTIMIZER_KEYS = {"sgd": ("lr", "momentum", "nesterov", "weight_decay"),
@@ -76,16 +77,16 @@ class Trainer:
         backend = config.dist.backend  # "auto": by array kind (CuPy: NCCL where usable)
         self.comm = (self.context.communicator_for(first) if backend == "auto"
                      else self.context.communicator(backend))
+        del first  # the flat buffer replaces every parameter array; none may outlive the copy
         self.stage = self._make_stage(STAGES[config.dist.zero_opt_level])
         self.stage.attach()
 
     def _make_stage(self, stage_cls: type[ZeroStage]) -> ZeroStage:
         dcfg, tcfg = self.config.dist, self.config.train
         dtype = np.dtype(tcfg.dtype)
-        bucket = stage_cls.bucket_numel(dcfg.bucket_size_mb * 2**20, dtype.itemsize,
-                                        dcfg.overlap_comm)
-        buckets = plan_buckets(self.model.layer_numels(), bucket, self.context.size)
-        flat = FlatModel(self.model, buckets, self.xp, dtype)
+        cap = max(1, int(dcfg.bucket_size_mb * 2**20) // dtype.itemsize)
+        size = stage_cls.bucket_numel(cap, sum(self.model.layer_numels()), dcfg.overlap_comm)
+        flat = FlatModel(self.model, size, self.context.size, self.xp, dtype)
         hyper = {k: getattr(tcfg, k) for k in OPTIMIZER_KEYS[tcfg.optimizer]}
 
         def new_optimizer(numel: int) -> Any:
@@ -141,12 +142,24 @@ class Trainer:
     def memory_report(self) -> dict[str, int]:
         """Bytes of params, grads, optimizer state and buffers this rank holds, and its peak.
 
-        ``peak`` is the process's peak resident memory (CPU), or on a GPU the bytes the CuPy
-        memory pool holds now (blocks in use and cached free ones).
+        ``peak`` is measured, not derived: on the CPU the process's resident high-water mark
+        (VmHWM, which ``/proc/self/clear_refs`` can reset), on a GPU the bytes the CuPy memory
+        pool holds now (blocks in use and cached free ones).
         """
         report = self.stage.memory_report()
         if self.xp is np:
-            report["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            report["peak"] = resident_peak()
         else:
             report["peak"] = int(self.xp.get_default_memory_pool().total_bytes())
         return report
+
+
+def resident_peak() -> int:
+    """Return this process's peak resident memory in bytes (VmHWM; ru_maxrss off Linux)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

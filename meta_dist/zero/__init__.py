@@ -6,8 +6,8 @@ holds one class per ZeRO level; the whole difference between the levels lives th
 """
 
 from meta_dist.zero.flat import FlatModel
-from meta_dist.zero.partition import Bucket, padded_size, plan_buckets
+from meta_dist.zero.partition import Bucket, Slot, bucket_numel, padded_size, plan
 from meta_dist.zero.stages import STAGES, ZeroStage, ZeroStage0, ZeroStage1, ZeroStage2
 
-__all__ = ["STAGES", "Bucket", "FlatModel", "ZeroStage", "ZeroStage0", "ZeroStage1",
-           "ZeroStage2", "padded_size", "plan_buckets"]
+__all__ = ["STAGES", "Bucket", "FlatModel", "Slot", "ZeroStage", "ZeroStage0", "ZeroStage1",
+           "ZeroStage2", "bucket_numel", "padded_size", "plan"]

@@ -1,60 +1,90 @@
-"""FlatModel: a Sequential whose parameters are views into one flat buffer laid out by a plan.
+"""FlatModel: a model whose parameters are views into one flat buffer laid out by the plan.
 
-Imports meta_dist.nn.model, meta_dist.zero.partition and meta_dist.xp. Optimizers and ZeRO
-stages then work on slices of one 1-D array and never walk layers.
+Imports meta_dist.nn (the model and GradBlocks) and meta_dist.zero.partition. Optimizers and
+ZeRO stages then work on slices of one 1-D array and never walk layers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from meta_dist.nn.grad_blocks import GradBlocks
 from meta_dist.nn.model import Sequential
-from meta_dist.zero.partition import Bucket
+from meta_dist.zero.partition import Bucket, Slot, plan
 
 
 class FlatModel:
     """Move a model's parameters into ``flat_params`` (padding zero) and point the layers at it.
 
+    Layers whose class sets ``grad_rows = True`` (their backward writes through
+    ``nn.grad_blocks.write_grad``) may be cut between buckets; others stay in one bucket.
+
     Args:
-        model: the model; its current parameter values are copied in.
-        buckets: the plan from ``plan_buckets`` over ``model.layer_numels()``.
+        model: the model; its current parameter values are copied in, one at a time.
+        bucket_numel: elements per bucket (``partition.bucket_numel``).
+        world: ranks the buckets are sharded over.
         xp: the array module of the buffers (numpy or cupy).
-        dtype: the buffer dtype (float32 or float64).
+        dtype: the buffer dtype.
     """
 
-    def __init__(self, model: Sequential, buckets: list[Bucket], xp: Any, dtype: Any) -> None:
-        self.model = model
-        self.buckets = buckets
-        self.xp = xp
-        self.dtype = xp.dtype(dtype)
-        self.flat_params = xp.zeros(buckets[-1].stop, dtype)
-        self.offsets: dict[tuple[int, str], int] = {}
-        self.bucket_of_layer: dict[int, Bucket] = {}
-        for bucket in buckets:
-            offset = bucket.start
-            for i in range(bucket.first_layer, bucket.last_layer + 1):
-                self.bucket_of_layer[i] = bucket
-                layer = model.layers[i]
-                for name, value in layer.params.items():
-                    view = self.flat_params[offset : offset + value.size].reshape(value.shape)
-                    view[...] = value
-                    layer.params[name] = view
-                    self.offsets[(i, name)] = offset
-                    offset += value.size
+    def __init__(self, model: Sequential, bucket_numel: int, world: int, xp: Any,
+                 dtype: Any) -> None:
+        self.model, self.xp, self.dtype = model, xp, xp.dtype(dtype)
+        layers = model.layers
+        splittable = frozenset(i for i, layer in enumerate(layers)
+                               if getattr(layer, "grad_rows", False))
+        self.slots, self.buckets = plan(
+            [[(n, p.shape) for n, p in layer.params.items()] for layer in layers],
+            bucket_numel, world, splittable)
+        self.flat_params = xp.zeros(self.buckets[-1].stop, dtype)
+        for slot in self.slots:  # one at a time: the layer's own array is freed as it goes
+            view = self.view(self.flat_params, slot)
+            view[...] = layers[slot.layer].params[slot.name]
+            layers[slot.layer].params[slot.name] = view
+        self.layer_slots: dict[int, list[Slot]] = {}
+        for slot in self.slots:
+            self.layer_slots.setdefault(slot.layer, []).append(slot)
+        self.layer_buckets = {i: self.buckets_between(s[0].offset, s[-1].offset + s[-1].numel)
+                              for i, s in self.layer_slots.items()}
 
     @property
     def numel(self) -> int:
         """Parameter elements of the model (padding excluded)."""
-        return sum(b.numel for b in self.buckets)
+        return sum(s.numel for s in self.slots)
 
-    def bind_grads(self, buffer: Any, bucket: Bucket, base: int) -> None:
-        """Point the grads of the bucket's layers at ``buffer``, from element ``base`` on.
+    @staticmethod
+    def view(buffer: Any, slot: Slot, base: int = 0) -> Any:
+        """Return the slot's parameter-shaped view of a flat buffer (starting at ``base``)."""
+        begin = slot.offset - base
+        return buffer[begin : begin + slot.numel].reshape(slot.shape)
 
-        The bucket's padding in ``buffer`` is zeroed (padding never has gradients).
+    def buckets_between(self, begin: int, end: int) -> list[Bucket]:
+        """Return the buckets overlapping flat elements ``[begin, end)``, lowest first."""
+        return [b for b in self.buckets if b.start < end and begin < b.stop]
+
+    def bind_grads(self, layer: int, buffer: Any, base: int = 0) -> None:
+        """Point layer ``layer``'s grads at ``buffer``, whose element 0 is flat element ``base``."""
+        grads = self.model.layers[layer].grads
+        for slot in self.layer_slots.get(layer, ()):
+            grads[slot.name] = self.view(buffer, slot, base)
+
+    def bind_blocks(self, layer: int, target: Callable[[Bucket, Slot, int, int], Any],
+                    written: Callable[[int], None]) -> None:
+        """Give layer ``layer`` GradBlocks, one block per bucket each parameter lies in.
+
+        ``target(bucket, slot, first_row, stop_row)`` returns the array for a block;
+        ``written(offset)`` is told the lowest flat element a finished block covered.
         """
-        for i in range(bucket.first_layer, bucket.last_layer + 1):
-            layer = self.model.layers[i]
-            for name, grad in layer.grads.items():
-                begin = self.offsets[(i, name)] - bucket.start + base
-                layer.grads[name] = buffer[begin : begin + grad.size].reshape(grad.shape)
-        buffer[base + bucket.numel : base + bucket.padded_size] = 0
+        grads = self.model.layers[layer].grads
+        for slot in self.layer_slots.get(layer, ()):
+            spans = []
+            for bucket in reversed(self.buckets_between(slot.offset, slot.offset + slot.numel)):
+                first = max(bucket.start - slot.offset, 0) // slot.row
+                stop = -(-min(bucket.stop - slot.offset, slot.numel) // slot.row)
+                spans.append((first, stop, bucket))
+            by_rows = {(first, stop): bucket for first, stop, bucket in spans}
+            grads[slot.name] = GradBlocks(
+                slot.shape, [(first, stop) for first, stop, _ in spans],
+                lambda first, stop, s=slot, b=by_rows: target(b[(first, stop)], s, first, stop),
+                lambda first, stop, s=slot: written(s.offset + first * s.row))

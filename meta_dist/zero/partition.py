@@ -1,16 +1,23 @@
-"""The partition plan: which elements of the flat buffer form each bucket and which rank owns what.
+"""The partition plan: where each parameter lies in the flat buffer, the buckets, who owns what.
 
-Pure maths; imports nothing of meta_dist. The flat buffer is a sequence of buckets, each a run
-of whole layers, each padded to a multiple of the world size and split into equal shards: rank r
-owns ``[start + r*shard_size, start + (r+1)*shard_size)`` of every bucket. With one bucket this is
-DESIGN.md's layout (rank r owns slice r of the whole buffer). Buckets keep whole layers so that a
-layer's gradients always land in one bucket, and the last layers come first in backward, so
-their bucket can be reduced while earlier layers are still computing.
+Pure maths; imports nothing of meta_dist. The flat buffer holds the layers in forward order and
+each layer's parameters in the reverse of the order its backward writes them, so a backward pass
+writes gradients at ever lower offsets. It is cut into buckets of at most the configured size,
+each a multiple of the world size and split into equal shards: rank r owns ``[start +
+r*shard_size, start + (r+1)*shard_size)`` of every bucket. With one bucket this is DESIGN.md's
+layout (rank r owns slice r of the whole buffer). A bucket ends between layers where it can; a
+layer larger than what is left of a bucket is cut between rows of its parameters, so backward
+can hand a large layer's gradient over one bucket at a time. The padding that makes buckets
+multiples of the world size lies at a bucket's end, or just below a parameter that is cut, never
+inside a parameter: every parameter stays one contiguous view. Padding is zero and stays zero.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+MIN_BUCKETS = 4  # buckets per model at least, so reduction overlaps backward on any model
 
 
 def padded_size(numel: int, world: int) -> int:
@@ -22,16 +29,33 @@ def padded_size(numel: int, world: int) -> int:
 
 
 @dataclass(frozen=True)
+class Slot:
+    """Where one parameter lies in the flat buffer (offsets without the buckets' padding)."""
+
+    layer: int
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        """Elements of the parameter."""
+        return math.prod(self.shape)
+
+    @property
+    def row(self) -> int:
+        """Elements in one row (one index along axis 0; 1 for a vector)."""
+        return math.prod(self.shape[1:])
+
+
+@dataclass(frozen=True)
 class Bucket:
-    """A contiguous run of whole layers in the flat buffer, padded to a multiple of world."""
+    """A contiguous run of the flat buffer whose size is a multiple of world."""
 
     index: int
     start: int
-    numel: int
     padded_size: int
     world: int
-    first_layer: int
-    last_layer: int
 
     @property
     def stop(self) -> int:
@@ -54,32 +78,71 @@ class Bucket:
         return slice(self.start, self.stop)
 
 
-def plan_buckets(layer_numels: list[int], bucket_numel: int, world: int) -> list[Bucket]:
-    """Group layers into buckets of at least ``bucket_numel`` elements, from the last layer back.
+def bucket_numel(total: int, cap: int) -> int:
+    """Return the elements per bucket: at most ``cap``, and at least MIN_BUCKETS buckets."""
+    return max(1, min(cap, -(-total // MIN_BUCKETS)))
+
+
+def plan(layers: list[list[tuple[str, tuple[int, ...]]]], size: int, world: int,
+         splittable: frozenset[int] = frozenset()) -> tuple[list[Slot], list[Bucket]]:
+    """Lay the parameters out and cut the flat buffer into buckets of at most ``size`` elements.
+
+    A layer that does not fit the rest of the open bucket starts the next one, unless it is in
+    ``splittable`` (its backward can write its gradients row block by row block): then the
+    bucket is filled with the layer's lowest rows and the layer goes on in the next buckets. A
+    layer that cannot be cut and is larger than ``size`` gets a bucket of its own that large.
 
     Args:
-        layer_numels: parameter elements of each layer, in forward order (0 for layers
-            without parameters).
-        bucket_numel: target elements per bucket: a bucket closes as soon as it holds at
-            least this many (as PyTorch DDP's buckets), so one large layer fills it alone.
+        layers: per layer, its (name, shape) pairs in the order its backward writes them.
+        size: elements per bucket (``bucket_numel``).
         world: number of ranks the buckets are sharded over.
+        splittable: indices of the layers that may be cut.
 
     Returns:
-        Buckets in forward (flat-buffer) order; bucket 0 starts at offset 0.
+        The parameters' slots (in flat order) and the buckets (bucket 0 at offset 0).
     """
-    if bucket_numel < 1:
-        raise ValueError(f"plan_buckets: bucket_numel must be >= 1; got {bucket_numel}")
-    groups: list[tuple[int, int]] = []  # (first_layer, last_layer), built from the back
-    last, total = len(layer_numels) - 1, 0
-    for i in range(len(layer_numels) - 1, -1, -1):
-        total += layer_numels[i]
-        if total >= bucket_numel or i == 0:
-            groups.append((i, last))
-            last, total = i - 1, 0
-    buckets, start = [], 0
-    for index, (first, last_layer) in enumerate(reversed(groups)):
-        numel = sum(layer_numels[first : last_layer + 1])
-        padded = padded_size(max(numel, 1), world)
-        buckets.append(Bucket(index, start, numel, padded, world, first, last_layer))
-        start += padded
-    return buckets
+    if size < 1 or world < 1:
+        raise ValueError(f"plan: got size={size}, world={world}; expected both >= 1")
+    slots: list[Slot] = []
+    buckets: list[Bucket] = []
+    start = pos = 0  # the open bucket begins at start; the next element goes to pos
+
+    def close() -> None:
+        nonlocal start, pos
+        if pos > start:
+            buckets.append(Bucket(len(buckets), start, padded_size(pos - start, world), world))
+            start = pos = buckets[-1].stop
+
+    for i, params in enumerate(layers):
+        ordered = [(name, tuple(shape)) for name, shape in reversed(params)]
+        cuttable = i in splittable
+        if pos - start + sum(math.prod(shape) for _, shape in ordered) > size and not cuttable:
+            close()
+        for name, shape in ordered:
+            rows, row = (shape[0] if shape else 1), math.prod(shape[1:])
+            offset = None  # where the parameter starts, once placed
+            while cuttable and rows * row > size - (pos - start):
+                if pos - start >= size:  # an oversized layer below filled the bucket
+                    close()
+                    continue
+                step = world // math.gcd(row, world)  # rows per cut that keep shards equal
+                fit = (size - (pos - start)) // row // step * step
+                if offset is None:  # pad below the parameter so the cut lands on a multiple
+                    pad = (-(pos - start + fit * row)) % world
+                    while fit and pos - start + pad + fit * row > size:
+                        fit -= step
+                        pad = (-(pos - start + fit * row)) % world
+                    if not fit and pos > start:
+                        close()  # nothing fits: cut below the parameter instead
+                        continue
+                    offset = pos = pos + (pad if fit else 0)
+                fit = fit or step  # a block of rows larger than a bucket goes alone
+                if fit >= rows:
+                    break  # the rest stays whole
+                pos += fit * row
+                rows -= fit
+                close()
+            slots.append(Slot(i, name, shape, pos if offset is None else offset))
+            pos += rows * row
+    close()
+    return slots, buckets

@@ -2,52 +2,58 @@
 
 Imports meta_dist.comm.base (the interface only), meta_dist.optim and meta_dist.zero.flat.
 A stage owns the gradient buffers and the optimizer; the trainer calls ``attach`` once, runs
-forward and ``model.backward`` (the stage's hooks reduce buckets as backward produces them),
-then ``step()``. Gradients are averaged in exactly one place: the collectives' op "avg"
-(``Communicator._average``). The trainer never branches on the level.
+forward and ``model.backward`` (the stage's hooks reduce each bucket as soon as backward has
+written all of it), then ``step()``. Gradients are averaged in exactly one place: the
+collectives' op "avg" (``Communicator._average``). The trainer never branches on the level.
 
 Bytes held per rank, Ψ parameters, N ranks, K optimizer bytes per parameter (Adam fp32: 8):
-level 0: 4Ψ + 4Ψ + KΨ;  level 1: 4Ψ + 4Ψ + KΨ/N;  level 2: 4Ψ + 4Ψ/N + KΨ/N + staging buckets.
+level 0: 4Ψ + 4Ψ + KΨ;  level 1: 4Ψ + 4Ψ + KΨ/N;  level 2: 4Ψ + 4Ψ/N + KΨ/N + staging, at
+most the configured bucket size (two half-size buffers with overlap; none on one rank).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from meta_dist.comm.base import Communicator, Handle
 from meta_dist.optim import Optimizer
 from meta_dist.zero.flat import FlatModel
-from meta_dist.zero.partition import Bucket
+from meta_dist.zero.partition import Bucket, Slot, bucket_numel
 
 OptimizerFactory = Callable[[int], Optimizer]
 
 
 class ZeroStage:
-    """Base: full gradient buffer, reduced bucket by bucket; subclasses say who updates what.
+    """Base: a full gradient buffer, each bucket reduced once backward has written all of it.
+
+    Backward writes gradients at ever lower flat offsets (``zero.partition``), so a bucket is
+    complete as soon as backward has written below its start; its reduction then starts
+    (asynchronously with ``overlap``, else at once) while backward goes on.
 
     Args:
         flat: the model bound to its flat parameter buffer.
         comm: the communicator of the data-parallel ranks.
         make_optimizer: builds an optimizer for a given number of elements.
-        overlap: start each bucket's reduction as soon as backward has produced it; otherwise
-            reduce every bucket together when ``step()`` begins.
+        overlap: reduce buckets on the communication thread while backward continues.
     """
 
     level = -1
 
     @classmethod
-    def bucket_numel(cls, bucket_bytes: float, itemsize: int, overlap: bool) -> int:
-        """Return the plan's elements per bucket for a configured bucket size in bytes."""
-        return max(1, int(bucket_bytes) // itemsize)
+    def bucket_numel(cls, cap: int, total: int, overlap: bool) -> int:
+        """Return elements per bucket for a configured cap (elements) and a model of ``total``."""
+        return bucket_numel(total, cap)
 
     def __init__(self, flat: FlatModel, comm: Communicator, make_optimizer: OptimizerFactory,
                  overlap: bool = True) -> None:
         self.flat, self.comm, self.overlap = flat, comm, overlap
         self.rank = comm.rank
         self._pending: list[Handle] = []
-        self.flat_grads = self._make_grad_buffer()
-        self.optimizer = make_optimizer(sum(len_of(s) for s in self.owned_slices()))
+        self._next = len(flat.buckets) - 1  # the highest bucket not yet being reduced
+        self.flat_grads = self._make_grads()
+        self.optimizer = make_optimizer(sum(s.stop - s.start for s in self.owned_slices()))
 
     # ------------------------------------------------------------ what differs between levels
 
@@ -55,10 +61,10 @@ class ZeroStage:
         """The parts of the flat buffer this rank updates (level 0: all of it)."""
         return [slice(0, self.flat.flat_params.size)]
 
-    def _make_grad_buffer(self) -> Any:
-        grads = self.flat.xp.zeros_like(self.flat.flat_params)
-        for bucket in self.flat.buckets:
-            self.flat.bind_grads(grads, bucket, bucket.start)
+    def _make_grads(self) -> Any:
+        grads = self.flat.xp.zeros(self.flat.flat_params.size, self.flat.dtype)
+        for layer in self.flat.layer_slots:
+            self.flat.bind_grads(layer, grads)
         return grads
 
     def _reduce_bucket(self, bucket: Bucket) -> Handle | None:
@@ -75,6 +81,9 @@ class ZeroStage:
     def _after_update(self) -> None:
         """Level 0: every rank updated everything; nothing to gather."""
 
+    def _before_layer(self, layer: int) -> None:
+        """Hook before a layer's backward; level 2 points its grads at a staging buffer here."""
+
     # ------------------------------------------------------------ the shared step
 
     def attach(self) -> None:
@@ -82,13 +91,19 @@ class ZeroStage:
         self.flat.model.before_backward = self._before_layer
         self.flat.model.after_backward = self._after_layer
 
-    def _before_layer(self, layer: int) -> None:
-        """Hook before a layer's backward; level 2 binds its staging buffer here."""
-
     def _after_layer(self, layer: int) -> None:
-        bucket = self.flat.bucket_of_layer[layer]
-        if layer == bucket.first_layer and self.overlap:  # the bucket's last grads are in
-            self._pending.append(self._reduce_bucket(bucket))
+        slots = self.flat.layer_slots.get(layer)
+        if slots:
+            self._written(slots[0].offset)
+
+    def _written(self, offset: int) -> None:
+        """Backward has written every gradient from flat ``offset`` up: reduce what is done."""
+        buckets = self.flat.buckets
+        while self._next >= 0 and buckets[self._next].start >= offset:
+            handle = self._reduce_bucket(buckets[self._next])
+            if handle is not None:
+                self._pending.append(handle)
+            self._next -= 1
 
     def step(self) -> None:
         """Finish the gradient reduction, update this rank's part, and share the result."""
@@ -98,12 +113,12 @@ class ZeroStage:
         self._after_update()
 
     def _finish_reduction(self) -> None:
-        """Wait for the buckets reduced during backward (without overlap: reduce them now)."""
-        if not self.overlap:  # buckets only serve overlap: reduce the whole buffer at once
-            self.comm.allreduce(self.flat_grads, "avg", out=self.flat_grads)
+        """Reduce any bucket backward did not complete, then wait for every reduction."""
+        self._written(0)
         for handle in self._pending:
             handle.wait()
         self._pending.clear()
+        self._next = len(self.flat.buckets) - 1
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds: params, grads (kept between steps), optimizer state, buffers."""
@@ -143,35 +158,47 @@ class ZeroStage1(ZeroStage0):
 
 
 class ZeroStage2(ZeroStage1):
-    """ZeRO-2: reduce-scatter each bucket as backward produces it, keep only my grad shard.
+    """ZeRO-2: reduce-scatter each bucket as backward completes it, keep only my grad shard.
 
-    The full-size gradient never exists: a bucket's grads land in a staging buffer, are
-    reduce-scattered (averaged) into this rank's grad shard, and the buffer is reused. With
-    overlap two staging buffers alternate (buckets are planned at half the configured size),
-    so staging stays about one bucket; a layer larger than that is a bucket of its own.
+    The full-size gradient never exists: a bucket's grads land in a staging buffer (a layer
+    larger than a bucket writes into it a block of rows at a time), are reduce-scattered
+    (averaged) into this rank's grad shard, and the buffer takes the next bucket. With overlap
+    two staging buffers alternate and buckets are planned at half the configured size, so the
+    staging is at most the configured size; on one rank the shard is the whole bucket and
+    backward writes straight into it.
     Memory: grads ≈ 1/N of level 0's plus the staging; optimizer state ≈ 1/N.
     """
 
     level = 2
 
     @classmethod
-    def bucket_numel(cls, bucket_bytes: float, itemsize: int, overlap: bool) -> int:
-        """Half-size buckets with overlap: the two staging buffers together make one bucket."""
-        return max(1, int(bucket_bytes) // itemsize // (2 if overlap else 1))
+    def bucket_numel(cls, cap: int, total: int, overlap: bool) -> int:
+        """Half-size buckets with overlap: the two staging buffers together make one bucket.
 
-    def _make_grad_buffer(self) -> Any:
-        xp, dtype, buckets = self.flat.xp, self.flat.dtype, self.flat.buckets
-        self._shard_start = {}
-        offset = 0
-        for bucket in buckets:
+        The staging is then at most a quarter of the model as well, so grad shard + staging
+        stays below level 1's full gradient from two ranks up.
+        """
+        return max(1, bucket_numel(total, cap) // (2 if overlap else 1))
+
+    def _make_grads(self) -> Any:
+        flat, xp = self.flat, self.flat.xp
+        self._shard_start, offset = {}, 0
+        for bucket in flat.buckets:
             self._shard_start[bucket.index] = offset
             offset += bucket.shard_size
-        count = 2 if self.overlap and len(buckets) > 1 else 1  # a second one only helps overlap
-        # buckets alternate between the buffers; each is as large as the largest it receives
-        sizes = [max(b.padded_size for b in buckets[k::count]) for k in range(count)]
-        self._staging = [xp.zeros(size, dtype) for size in sizes]
-        self._staging_busy: list[Handle | None] = [None] * len(self._staging)
-        return xp.zeros(offset, dtype)  # this rank's grad shard of every bucket, end to end
+        grads = xp.zeros(offset, flat.dtype)  # this rank's shard of every bucket, end to end
+        count = 2 if self.overlap and len(flat.buckets) > 1 else 1
+        largest = max(b.padded_size for b in flat.buckets)
+        self._staging = [] if self.comm.size == 1 else [
+            xp.zeros(largest, flat.dtype) for _ in range(count)]
+        self._free = list(range(len(self._staging)))
+        self._busy: deque[tuple[Handle, int]] = deque()  # reductions reading a staging buffer
+        self._bound: dict[int, Any] = {}  # bucket index -> its staging for this backward
+        self._pads = {b.index: _padding(b, flat.slots) for b in flat.buckets}
+        for layer, buckets in flat.layer_buckets.items():
+            if len(buckets) > 1:  # a layer across buckets writes them one block at a time
+                flat.bind_blocks(layer, self._block, self._written)
+        return grads
 
     def _grad_shard(self, bucket: Bucket) -> Any:
         start = self._shard_start[bucket.index]
@@ -180,37 +207,57 @@ class ZeroStage2(ZeroStage1):
     def _local_grads(self) -> list[Any]:
         return [self._grad_shard(b) for b in self.flat.buckets]
 
-    def _staging_for(self, bucket: Bucket) -> int:
-        return bucket.index % len(self._staging)
-
     def _before_layer(self, layer: int) -> None:
-        bucket = self.flat.bucket_of_layer[layer]
-        if layer == bucket.last_layer:  # the bucket's first grads are about to be written
-            which = self._staging_for(bucket)
-            if self._staging_busy[which] is not None:  # still being reduced: wait for it
-                self._staging_busy[which].wait()
-                self._staging_busy[which] = None
-            self.flat.bind_grads(self._staging[which], bucket, 0)
+        buckets = self.flat.layer_buckets.get(layer)
+        if buckets and len(buckets) == 1:  # the layer's grads go straight into the staging
+            self.flat.bind_grads(layer, self._staging_of(buckets[0]), buckets[0].start)
 
-    def _after_layer(self, layer: int) -> None:
-        bucket = self.flat.bucket_of_layer[layer]
-        if layer == bucket.first_layer:
-            self._staging_busy[self._staging_for(bucket)] = self._reduce_bucket(bucket)
+    def _block(self, bucket: Bucket, slot: Slot, first: int, stop: int) -> Any:
+        begin = slot.offset + first * slot.row - bucket.start
+        return self._staging_of(bucket)[begin : begin + (stop - first) * slot.row].reshape(
+            (stop - first, *slot.shape[1:]))
+
+    def _staging_of(self, bucket: Bucket) -> Any:
+        """Return the bucket's staging buffer, taking a free one (or the next to free) first."""
+        staging = self._bound.get(bucket.index)
+        if staging is not None:
+            return staging
+        if not self._staging:  # one rank: the shard is the bucket
+            staging = self._grad_shard(bucket)
+        else:
+            if not self._free:  # both in use: wait for the older reduction
+                handle, which = self._busy.popleft()
+                handle.wait()
+                self._free.append(which)
+            staging = self._staging[self._free.pop(0)]
+        for lo, hi in self._pads[bucket.index]:
+            staging[lo:hi] = 0  # padding has no gradients; the buffer held another bucket
+        self._bound[bucket.index] = staging
+        return staging
 
     def _reduce_bucket(self, bucket: Bucket) -> Handle | None:
         """Average one bucket across ranks, keeping only my shard (reduce-scatter)."""
-        send = self._staging[self._staging_for(bucket)][: bucket.padded_size]
-        if self.overlap:
-            return self.comm.reduce_scatter_async(send, "avg", out=self._grad_shard(bucket))
-        self.comm.reduce_scatter(send, "avg", out=self._grad_shard(bucket))
-        return None
+        reached = bucket.index in self._bound
+        staging = self._staging_of(bucket)
+        if not reached:  # backward never wrote it (step without backward): no gradient
+            staging[: bucket.padded_size] = 0
+        del self._bound[bucket.index]
+        send, out = staging[: bucket.padded_size], self._grad_shard(bucket)
+        which = next((i for i, s in enumerate(self._staging) if s is staging), None)
+        if not self.overlap:
+            self.comm.reduce_scatter(send, "avg", out=out)
+            if which is not None:
+                self._free.append(which)
+            return None
+        handle = self.comm.reduce_scatter_async(send, "avg", out=out)
+        if which is not None:
+            self._busy.append((handle, which))
+        return handle
 
     def _finish_reduction(self) -> None:
-        """Wait for the last buckets' reduce-scatter (each was started as backward filled it)."""
-        for which, handle in enumerate(self._staging_busy):
-            if handle is not None:
-                handle.wait()
-                self._staging_busy[which] = None
+        super()._finish_reduction()
+        while self._busy:
+            self._free.append(self._busy.popleft()[1])  # their handles were waited for
 
     def memory_report(self) -> dict[str, int]:
         """See ``ZeroStage.memory_report``; ``buffers`` are the staging buffers."""
@@ -219,9 +266,18 @@ class ZeroStage2(ZeroStage1):
         return report
 
 
+def _padding(bucket: Bucket, slots: list[Slot]) -> list[tuple[int, int]]:
+    """Return the bucket's padding as (lo, hi) ranges relative to its start."""
+    taken = sorted((max(s.offset, bucket.start), min(s.offset + s.numel, bucket.stop))
+                   for s in slots if s.offset < bucket.stop and bucket.start < s.offset + s.numel)
+    gaps, at = [], bucket.start
+    for lo, hi in taken:
+        if lo > at:
+            gaps.append((at - bucket.start, lo - bucket.start))
+        at = max(at, hi)
+    if at < bucket.stop:
+        gaps.append((at - bucket.start, bucket.stop - bucket.start))
+    return gaps
+
+
 STAGES: dict[int, type[ZeroStage]] = {0: ZeroStage0, 1: ZeroStage1, 2: ZeroStage2}
-
-
-def len_of(s: slice) -> int:
-    """Return the length of a slice with explicit start and stop."""
-    return s.stop - s.start

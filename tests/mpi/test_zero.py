@@ -9,12 +9,16 @@ In float32 the same argument gives about 1e-7 per step; we allow 2e-5 after 4 st
 After every step every rank must hold bit-identical parameters.
 """
 
+import threading
+import time
+
 import numpy as np
 import pytest
 from conftest import same_on_every_rank
 from mpi4py import MPI
 
 from meta_dist import MPIConnector
+from meta_dist.comm.mpi_backend import MpiCommunicator
 from meta_dist.config import load_config
 from meta_dist.distributed import DistContext
 from meta_dist.nn.layers import Linear, ReLU, Tanh
@@ -40,8 +44,15 @@ def one_parameter(rng, dtype):  # a single scalar weight
     return Sequential(Linear(1, 1, bias=False, rng=rng, dtype=dtype))
 
 
+def deep(rng, dtype):  # five layers, 25 + 24 + 35 + 32 + 15 = 131 parameters
+    widths = [4, 5, 4, 7, 4, 3]
+    pairs = zip(widths[:-1], widths[1:], strict=True)
+    layers = [Linear(a, b, rng=rng, dtype=dtype) for a, b in pairs]
+    return Sequential(*[x for layer in layers for x in (layer, Tanh())][:-1])
+
+
 MODELS = {"classifier": (classifier, 4, 3), "tiny_bias": (tiny_bias, 4, None),
-          "one_parameter": (one_parameter, 1, None)}
+          "one_parameter": (one_parameter, 1, None), "deep": (deep, 4, 3)}
 OPTIMIZERS = {"sgd": {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9},
               "adam": {"optimizer": "adam", "lr": 0.01}}
 
@@ -105,10 +116,22 @@ def test_level_matches_single_process_float64(contexts, level, optimizer, model_
 
 @pytest.mark.parametrize("level", [0, 1, 2])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_many_buckets_with_and_without_overlap(contexts, level, overlap):
-    # 1e-4 MiB = 13 float64 elements: every layer is a bucket of its own
-    run_parity(contexts, level, "adam", "classifier", "float64", 1e-9, 1e-12,
-               bucket_mb=1e-4, overlap=overlap)
+@pytest.mark.parametrize("bucket_mb", [1e-4, 3e-4])
+def test_many_buckets_with_and_without_overlap(contexts, level, overlap, bucket_mb):
+    # 1e-4 MiB = 13 float64 elements, 3e-4 = 39: several buckets (the 43-parameter classifier
+    # has two layers, so buckets of whole layers), padding between them at 2-4 ranks
+    dist = run_parity(contexts, level, "adam", "classifier", "float64", 1e-9, 1e-12,
+                      bucket_mb=bucket_mb, overlap=overlap)
+    assert len(dist.stage.flat.buckets) >= 2
+
+
+@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_deep_model_many_buckets(contexts, level, overlap):
+    """Six layers in at least four buckets (the default size is capped at a quarter of the
+    model): every level, with and without overlap, trains what one process trains."""
+    dist = run_parity(contexts, level, "sgd", "deep", "float64", 1e-9, 1e-12, overlap=overlap)
+    assert len(dist.stage.flat.buckets) >= 4
 
 
 @pytest.mark.parametrize("level", [0, 1, 2])
@@ -118,36 +141,45 @@ def test_level_matches_single_process_float32(contexts, level):
 
 @pytest.mark.parametrize("level", [0, 1, 2])
 def test_padding_stays_zero(contexts, level):
-    dist = run_parity(contexts, level, "adam", "classifier", "float64", 1e-9, 1e-12,
-                      bucket_mb=1e-4)
+    dist = run_parity(contexts, level, "adam", "deep", "float64", 1e-9, 1e-12, bucket_mb=1e-4)
     flat = dist.stage.flat
-    for bucket in flat.buckets:
-        padding = flat.flat_params[bucket.start + bucket.numel:bucket.stop]
-        assert np.all(padding == 0), f"bucket {bucket.index} padding changed"
+    padding = np.ones(flat.flat_params.size, bool)
+    for slot in flat.slots:
+        padding[slot.offset:slot.offset + slot.numel] = False
+    if world_size(contexts) > 1:
+        assert padding.any()  # 13-element buckets over 2-4 ranks need padding
+    assert np.all(flat.flat_params[padding] == 0), "padding changed"
+
+
+def world_size(contexts):
+    return contexts[0].size
 
 
 def test_memory_report_matches_zero_table(contexts):
-    """Level 1 optimizer state = level 0's / N; level 2 grads = level 0's / N (+ staging)."""
+    """Each level holds DESIGN.md's bytes for Adam in float64 (padding included): level 1 the
+    optimizer state / N, level 2 the gradients / N too, and level 2 never more gradient bytes
+    (grads + staging) than level 1."""
     world, _ = contexts
     n = world.size
-    x, y, loss_fn = data("classifier", "float64")
-    reports = {}
+    x, y, loss_fn = data("deep", "float64")
+    reports, padded = {}, {}
     for level in (0, 1, 2):
-        t = trainer_on(world, "classifier", make_config(level, "adam", "float64"), "float64",
-                       loss_fn)
+        t = trainer_on(world, "deep", make_config(level, "adam", "float64"), "float64", loss_fn)
         t.train_step(x[:GLOBAL_BATCH // n], y[:GLOBAL_BATCH // n])
         reports[level] = t.memory_report()
-    padded = -(-43 // n) * n  # one bucket: 43 params padded to a multiple of N
-    full = padded * 8
-    assert reports[0] == {"params": full, "grads": full, "optimizer": 2 * full, "buffers": 0,
-                          "peak": reports[0]["peak"]}
-    assert reports[1]["params"] == full and reports[1]["grads"] == full
-    assert reports[1]["optimizer"] == reports[0]["optimizer"] // n
-    assert reports[2]["grads"] == reports[0]["grads"] // n
-    assert reports[2]["optimizer"] == reports[0]["optimizer"] // n
-    # one bucket holds the whole model, so one staging buffer: grads <= level 0's / N + a bucket
-    assert reports[2]["buffers"] == full
-    assert reports[2]["grads"] + reports[2]["buffers"] <= reports[0]["grads"] // n + full
+        buckets = t.stage.flat.buckets
+        padded[level] = sum(b.padded_size for b in buckets)
+        assert 131 <= padded[level] <= 131 + len(buckets) * (n - 1)  # padding: < N per bucket
+    full = padded[0] * 8
+    assert (reports[0]["params"], reports[0]["grads"]) == (full, full)
+    assert (reports[0]["optimizer"], reports[0]["buffers"]) == (2 * full, 0)
+    assert (reports[1]["params"], reports[1]["grads"]) == (full, full)
+    assert reports[1]["optimizer"] == 2 * padded[1] * 8 // n
+    assert reports[2]["grads"] == padded[2] * 8 // n
+    assert reports[2]["optimizer"] == 2 * padded[2] * 8 // n
+    assert reports[2]["grads"] + reports[2]["buffers"] <= reports[1]["grads"]
+    if n == 1:
+        assert reports[2]["buffers"] == 0  # one rank: backward writes into the shard itself
 
 
 def test_data_parallel_batch_must_split(contexts):
@@ -159,13 +191,54 @@ def test_data_parallel_batch_must_split(contexts):
                    "float64", softmax_cross_entropy)
 
 
-def test_zero2_staging_is_sized_by_buckets(contexts):
-    """Many buckets with overlap: two staging buffers, each sized for the buckets it takes."""
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("bucket_mb", [25.0, 1e-3, 2e-4])
+def test_zero2_staging_is_bounded_by_the_bucket_size(contexts, overlap, bucket_mb):
+    """Staging never exceeds the configured bucket size (with overlap: two half-size buffers),
+    whatever the model, and ZeRO-2's gradient bytes never exceed ZeRO-1's."""
     world, _ = contexts
-    x, y, loss_fn = data("classifier", "float64")
-    t = trainer_on(world, "classifier", make_config(2, "adam", "float64", bucket_mb=1e-4),
-                   "float64", loss_fn)
-    buckets = t.stage.flat.buckets
-    assert len(buckets) == 2  # Linear(4, 5) and Linear(5, 3), one bucket each
-    expected = sum(max(b.padded_size for b in buckets[k::2]) for k in range(2)) * 8
-    assert t.memory_report()["buffers"] == expected
+    t = trainer_on(world, "deep", make_config(2, "adam", "float64", bucket_mb=bucket_mb,
+                                              overlap=overlap), "float64", mse_loss)
+    report = t.memory_report()
+    level1 = trainer_on(world, "deep", make_config(1, "adam", "float64", bucket_mb=bucket_mb,
+                                                   overlap=overlap), "float64", mse_loss)
+    assert report["grads"] + report["buffers"] <= level1.memory_report()["grads"]
+    largest_layer = max(n for n in t.model.layer_numels())  # whole layers: none is splittable
+    cap = max(bucket_mb * 2**20, largest_layer * 8 * (2 if overlap else 1)) + 8 * world.size * 2
+    assert report["buffers"] <= cap
+
+
+class SlowReduceScatter(MpiCommunicator):
+    """The real MPI communicator, its reduce_scatter started late on the communication thread,
+    so a staging buffer that backward reuses too early is caught every time, not by chance."""
+
+    def _reduce_scatter(self, send, recv, op):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.02)
+        super()._reduce_scatter(send, recv, op)
+
+
+def test_zero2_waits_before_reusing_a_staging_buffer(contexts):
+    """Six buckets through two staging buffers, each reduction delayed: a stage that reused a
+    buffer before its reduction finished would reduce the wrong gradients."""
+    world, alone = contexts
+    slow = SlowReduceScatter(world.connector)
+    try:
+        config = make_config(2, "sgd", "float64", bucket_mb=1e-4)
+        x, y, loss_fn = data("deep", "float64")
+        dist = Trainer(MODELS["deep"][0](np.random.default_rng(7), "float64"), config,
+                       context=world, loss_fn=loss_fn, log=None)
+        dist.stage.comm = slow
+        ref = trainer_on(alone, "deep", make_config(0, "sgd", "float64"), "float64", loss_fn)
+        assert len(dist.stage.flat.buckets) >= 4 and len(dist.stage._staging) in (0, 2)
+        b, r = GLOBAL_BATCH // world.size, world.rank
+        for step in range(2):
+            ref.train_step(x[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH],
+                           y[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH])
+            dist.train_step(x[step * GLOBAL_BATCH + r * b:step * GLOBAL_BATCH + (r + 1) * b],
+                            y[step * GLOBAL_BATCH + r * b:step * GLOBAL_BATCH + (r + 1) * b])
+            for (name, got), want in zip(dist.model.state().items(), ref.model.state().values(),
+                                         strict=True):
+                np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12, err_msg=name)
+    finally:
+        slow.close()

@@ -1,0 +1,54 @@
+"""GradBlocks: a parameter gradient handed over in row blocks, and ``write_grad`` for layers.
+
+Leaf module: imports nothing of meta_dist; ``nn.layers`` writes through it and ``zero.stages``
+makes the blocks. A layer's backward normally writes each parameter gradient into the array
+``grads[name]`` at once. A layer too large for one communication bucket may instead find a
+GradBlocks there: it then computes the gradient a block of rows at a time (top rows first) into
+the arrays the blocks give it, so the whole gradient never exists at once, and the owner of the
+blocks learns as each one is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+RowsInto = Callable[[int, int, Any], None]
+
+
+class GradBlocks:
+    """A parameter's gradient as row blocks, each written into the array its owner provides.
+
+    Args:
+        shape: the parameter's shape (rows along axis 0; a vector's rows are its elements).
+        spans: ``(first_row, stop_row)`` of each block, top rows first.
+        target: returns the array a block is written into, shaped like its rows.
+        written: told ``(first_row, stop_row)`` once a block holds its rows.
+    """
+
+    def __init__(self, shape: tuple[int, ...], spans: list[tuple[int, int]],
+                 target: Callable[[int, int], Any], written: Callable[[int, int], None]) -> None:
+        self.shape = tuple(shape)
+        self.spans = spans
+        self._target, self._written = target, written
+
+    def blocks(self) -> Iterator[tuple[int, int, Any]]:
+        """Yield ``(first_row, stop_row, out)`` for each block, top rows first."""
+        for first, stop in self.spans:
+            yield first, stop, self._target(first, stop)
+            self._written(first, stop)
+
+
+def write_grad(grad: Any, rows_into: RowsInto) -> None:
+    """Write a parameter's gradient into ``grad``, an array or a GradBlocks.
+
+    Args:
+        grad: the array that takes the gradient (overwritten), or a GradBlocks.
+        rows_into: ``rows_into(first, stop, out)`` writes rows ``[first, stop)`` of the gradient
+            into ``out``, an array shaped like those rows.
+    """
+    if isinstance(grad, GradBlocks):
+        for first, stop, out in grad.blocks():
+            rows_into(first, stop, out)
+    else:
+        rows_into(0, grad.shape[0] if grad.ndim else 1, grad)
