@@ -68,7 +68,10 @@ class DistConfig(_Validated):
         zero_opt_level: 0 (plain data parallelism), 1 (optimizer state sharded) or 2 (gradients
             sharded too). ZeRO-3 is not supported yet.
         bucket_size_mb: Gradient bucket size in MiB, as PyTorch DDP's ``bucket_cap_mb``.
-        overlap_comm: Reduce full buckets while backward continues.
+        overlap_comm: Reduce full buckets on a communication thread while backward continues;
+            null decides per run: on with a GPU (NCCL runs on a stream of its own) or when
+            every rank has a spare CPU core for the thread, off otherwise (a thread that must
+            share the rank's only core slows the step down).
         backend: ``auto``, ``mpi`` or ``nccl``.
         device: ``auto``, ``cpu`` or ``cuda``.
         seed: Seed for parameter init and data order; the same on every rank.
@@ -79,7 +82,7 @@ class DistConfig(_Validated):
         0, 1, 2, hints={3: "ZeRO-3 (parameter partitioning) is not supported yet; use 0, 1 or 2"}
     )
     bucket_size_mb: float = _rule(25.0, "> 0", lambda v: v > 0)
-    overlap_comm: bool = True
+    overlap_comm: bool | None = None
     backend: str = _choice("auto", "mpi", "nccl")
     device: str = _choice("auto", "cpu", "cuda")
     seed: int = _rule(0, ">= 0", lambda v: v >= 0)

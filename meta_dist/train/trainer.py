@@ -6,6 +6,7 @@ chosen from ``STAGES`` is the whole difference.
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 import time
@@ -48,6 +49,23 @@ def array_module_for(config: Config, context: dist.DistContext | None = None) ->
     return cupy
 
 
+def resolve_overlap(setting: bool | None, xp: Any, context: dist.DistContext) -> bool:
+    """Return whether buckets are reduced on a communication thread (overlap_comm).
+
+    ``None`` decides: yes on a GPU, and on the CPU when every rank has a core to spare for the
+    thread (this rank's affinity holds two cores or more, and the node has at least two per
+    rank). Collective for ``None``: the ranks must agree, since the choice shapes the buckets.
+    """
+    if setting is not None:
+        return setting
+    if xp is not np:
+        spare = True
+    else:
+        affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        spare = affinity >= 2 and (os.cpu_count() or 1) >= 2 * context.local_size
+    return all(context.connector.allgather(spare))
+
+
 class Trainer:
     """Data-parallel training of a Sequential model at the configured ZeRO level.
 
@@ -78,6 +96,7 @@ class Trainer:
         self.comm = (self.context.communicator_for(first) if backend == "auto"
                      else self.context.communicator(backend))
         del first  # the flat buffer replaces every parameter array; none may outlive the copy
+        self.overlap = resolve_overlap(config.dist.overlap_comm, self.xp, self.context)
         self.stage = self._make_stage(STAGES[config.dist.zero_opt_level])
         self.stage.attach()
 
@@ -85,14 +104,14 @@ class Trainer:
         dcfg, tcfg = self.config.dist, self.config.train
         dtype = np.dtype(tcfg.dtype)
         cap = max(1, int(dcfg.bucket_size_mb * 2**20) // dtype.itemsize)
-        size = stage_cls.bucket_numel(cap, sum(self.model.layer_numels()), dcfg.overlap_comm)
+        size = stage_cls.bucket_numel(cap, sum(self.model.layer_numels()), self.overlap)
         flat = FlatModel(self.model, size, self.context.size, self.xp, dtype)
         hyper = {k: getattr(tcfg, k) for k in OPTIMIZER_KEYS[tcfg.optimizer]}
 
         def new_optimizer(numel: int) -> Any:
             return make_optimizer(tcfg.optimizer, numel, xp=self.xp, dtype=dtype, **hyper)
 
-        return stage_cls(flat, self.comm, new_optimizer, overlap=dcfg.overlap_comm)
+        return stage_cls(flat, self.comm, new_optimizer, overlap=self.overlap)
 
     def train_step(self, x: Any, y: Any) -> Any:
         """Run forward, backward (buckets reduced as they fill) and the update; return the loss."""

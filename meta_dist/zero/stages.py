@@ -84,6 +84,14 @@ class ZeroStage:
     def _before_layer(self, layer: int) -> None:
         """Hook before a layer's backward; level 2 points its grads at a staging buffer here."""
 
+    def _streams_buckets(self) -> bool:
+        """Whether buckets are reduced as backward completes them, or all at once in step().
+
+        Without overlap, reducing bucket by bucket only adds points where the ranks wait for
+        each other; one call in step() is faster. Level 2 must: its staging is reused.
+        """
+        return self.overlap
+
     # ------------------------------------------------------------ the shared step
 
     def attach(self) -> None:
@@ -93,7 +101,7 @@ class ZeroStage:
 
     def _after_layer(self, layer: int) -> None:
         slots = self.flat.layer_slots.get(layer)
-        if slots:
+        if slots and self._streams_buckets():
             self._written(slots[0].offset)
 
     def _written(self, offset: int) -> None:
@@ -114,6 +122,9 @@ class ZeroStage:
 
     def _finish_reduction(self) -> None:
         """Reduce any bucket backward did not complete, then wait for every reduction."""
+        if not self._streams_buckets():
+            self.comm.allreduce(self.flat_grads, "avg", out=self.flat_grads)
+            return
         self._written(0)
         for handle in self._pending:
             handle.wait()
@@ -199,6 +210,10 @@ class ZeroStage2(ZeroStage1):
             if len(buckets) > 1:  # a layer across buckets writes them one block at a time
                 flat.bind_blocks(layer, self._block, self._written)
         return grads
+
+    def _streams_buckets(self) -> bool:
+        """See ``ZeroStage._streams_buckets``: always, the staging is reused."""
+        return True
 
     def _grad_shard(self, bucket: Bucket) -> Any:
         start = self._shard_start[bucket.index]

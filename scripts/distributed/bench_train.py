@@ -84,6 +84,7 @@ def meta_variant(level, args):
          "seed": SEED})
     xp = array_module_for(config)  # cupy on this rank's GPU for --device cuda
     trainer = Trainer(build_mlp(args.hidden, args.depth, xp), config, log=None)
+    args.resolved_overlap = trainer.overlap
     # the batch is copied to the device inside the step, as torch's is; float() waits for it
     return (lambda x, y: float(trainer.train_step(xp.asarray(x), xp.asarray(y))),
             trainer.memory_report())
@@ -156,8 +157,9 @@ def parse_args():
     p.add_argument("--steps", type=int, default=30, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per variant")
     p.add_argument("--blocks", type=int, default=5, help="the timed steps alternate in blocks")
-    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
-                   help="meta_dist_config overlap_comm (reduce buckets during backward)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="meta_dist_config overlap_comm (reduce buckets during backward); "
+                        "default: decided per run (on with a spare core or a GPU)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size (also DDP's cap)")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--hidden", type=int, default=1024, help="width of the hidden layers")
@@ -228,7 +230,8 @@ def main():
         print(f"# {size} ranks, MLP {shape} ({params / 1e6:.2f}M params)"
               f", Adam, fp32, {args.device}, torch on {'nccl' if args.device == 'cuda' else 'gloo'}"
               f", global batch {GLOBAL_BATCH} ({local}/rank), overlap_comm="
-              f"{args.overlap}, bucket {args.bucket_mb:g} MiB, 1 thread/rank; {args.steps} steps "
+              f"{getattr(args, 'resolved_overlap', args.overlap)}, bucket {args.bucket_mb:g} MiB, "
+              f"1 thread/rank; {args.steps} steps "
               f"after {args.warmup} warmup; step time = max over ranks of the median; memory "
               "MiB per rank (max over ranks)")
         print(f"{'variant':<31}{'step ms':>8}{'samples/s':>10}{'peak Δ':>8}{'held Δ':>8}"

@@ -199,7 +199,8 @@ def test_async_variants_return_handles(comm):
     # a blocking call after pending async work runs after it, in order on every rank
     h = comm.allreduce_async(np.ones(10))
     np.testing.assert_array_equal(comm.allreduce(np.ones(3)), np.full(3, comm.size))
-    assert h.done() or h.wait() is not None
+    assert h.done()  # the blocking call queued behind it, so it has finished
+    np.testing.assert_array_equal(h.wait(), np.full(10, comm.size))
 
 
 @pytest.mark.mpi(min_size=2)

@@ -45,7 +45,7 @@ def test_defaults():
     assert cfg.train == TrainConfig()
     assert cfg.dist == DistConfig()
     assert cfg.dist.zero_opt_level == 0 and cfg.dist.enable_data_parallel is True
-    assert cfg.dist.bucket_size_mb == 25.0 and cfg.dist.overlap_comm is True
+    assert cfg.dist.bucket_size_mb == 25.0 and cfg.dist.overlap_comm is None
     assert (cfg.dist.backend, cfg.dist.device, cfg.dist.seed) == ("auto", "auto", 0)
     assert cfg.train.input_shape == (3, 28, 28) and cfg.train.betas == (0.9, 0.999)
     assert cfg.train.batch_size == 64 and cfg.train.optimizer == "sgd"
