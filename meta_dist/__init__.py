@@ -1,12 +1,15 @@
 """meta_dist: collective communication and ZeRO data-parallel training for numpy and CuPy.
 
 Public names only; no logic. ``from meta_dist import distributed as dist`` gives the context
-(``dist.get_context()``); ``meta_dist.allreduce(x)`` and friends run on it.
+(``dist.get_context()``); ``meta_dist.allreduce(x)`` and friends run on it. Importing meta_dist
+(or any part of it but ``comm`` and ``connector``) starts no MPI: MPI starts with the context
+(``dist.init()``, ``get_context()``) or an ``MPIConnector``, so a script that fails before that
+ends like any program, and mpirun ends the job.
 """
 
-from meta_dist import distributed
-from meta_dist.comm import Communicator, Handle, make_communicator
-from meta_dist.connector import MPIConnector
+from typing import Any
+
+from meta_dist import distributed, failfast
 from meta_dist.distributed import (
     allgather,
     allreduce,
@@ -24,6 +27,22 @@ from meta_dist.distributed import (
 from meta_dist.xp import contiguous_arrays
 
 __version__ = "0.1.0"
+
+if failfast.launched_size() > 1:  # a rank of several: failing before MPI starts ends the job
+    failfast.install()
+
+_STARTS_MPI = {"Communicator": "meta_dist.comm", "Handle": "meta_dist.comm",
+               "make_communicator": "meta_dist.comm", "MPIConnector": "meta_dist.connector"}
+
+
+def __getattr__(name: str) -> Any:
+    """Import the names that need MPI on first use (PEP 562), not with the package."""
+    if name in _STARTS_MPI:
+        import importlib
+
+        return getattr(importlib.import_module(_STARTS_MPI[name]), name)
+    raise AttributeError(f"module 'meta_dist' has no attribute {name!r}")
+
 
 __all__ = [
     "Communicator",

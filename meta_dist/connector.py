@@ -1,17 +1,19 @@
 """MPIConnector: the MPI world of this job (who am I, how many are we, on which node).
 
-Imports mpi4py only; everything else in meta_dist that needs to know about ranks asks a connector.
-The connector also installs the failure policy: an uncaught exception on any rank prints that
-rank's traceback and aborts the whole job, so no peer is left waiting in a collective.
+Imports mpi4py and meta_dist.failfast only; everything else in meta_dist that needs to know about
+ranks asks a connector. The connector also installs the failure policy (``failfast``): a rank
+that raises or exits with an error ends the whole job, so no peer is left waiting in a
+collective.
 """
 
 from __future__ import annotations
 
 import sys
-import traceback
 from typing import Any
 
 from mpi4py import MPI
+
+import meta_dist.failfast as failfast
 
 ROOT_RANK = 0
 
@@ -26,8 +28,8 @@ class MPIConnector:
     Args:
         comm: the communicator to wrap; defaults to ``MPI.COMM_WORLD``. It is duplicated, so
             meta_dist's traffic never matches a message of the caller's own.
-        abort_on_exception: install a ``sys.excepthook`` that prints the traceback and calls
-            ``MPI_Abort`` when the job has more than one rank.
+        abort_on_exception: when the job has more than one rank, make an uncaught exception or
+            ``sys.exit(n != 0)`` on this rank end the whole job (``meta_dist.failfast``).
     """
 
     def __init__(self, comm: MPI.Comm | None = None, *, abort_on_exception: bool = True) -> None:
@@ -39,7 +41,8 @@ class MPIConnector:
         self._local_rank = self._node_comm.Get_rank()
         self._local_size = self._node_comm.Get_size()
         if abort_on_exception and self._size > 1:
-            install_abort_hook()
+            failfast.install()
+            failfast.track(self)
 
     @property
     def comm(self) -> MPI.Comm:
@@ -124,25 +127,3 @@ class MPIConnector:
                 f"MPIConnector.{api}: root out of range; got {root}, expected 0 <= root < "
                 f"{self._size}"
             )
-
-
-def install_abort_hook() -> None:
-    """Make an uncaught exception print its traceback and abort the whole MPI job.
-
-    Without it, the failing rank calls MPI_Finalize while its peers wait forever in their next
-    collective. ``python -m mpi4py`` does the same for a whole script; this covers plain
-    ``python script.py`` under mpirun.
-    """
-    if getattr(sys.excepthook, "_meta_dist_abort", False):
-        return
-
-    def abort_hook(exc_type: type, exc: BaseException, tb: Any) -> None:
-        rank = MPI.COMM_WORLD.Get_rank()
-        lines = traceback.format_exception(exc_type, exc, tb)
-        sys.stderr.write(f"[rank {rank}] uncaught exception; aborting the job:\n" + "".join(lines))
-        sys.stderr.flush()
-        sys.stdout.flush()
-        MPI.COMM_WORLD.Abort(1)
-
-    abort_hook._meta_dist_abort = True  # type: ignore[attr-defined]
-    sys.excepthook = abort_hook

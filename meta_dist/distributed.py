@@ -1,6 +1,7 @@
 """The distributed context: ``dist.get_context()``, init/shutdown, and collectives on it.
 
-Imports meta_dist.connector, meta_dist.comm and meta_dist.xp. This is the Meta design's
+Imports meta_dist.connector, meta_dist.comm and meta_dist.xp, the first two only when the
+context starts: importing this module starts no MPI. This is the Meta design's
 ``from meta_dist import distributed as dist; dctx = dist.get_context()``: the first call starts
 the MPI connector; the module-level collectives (re-exported as ``meta_dist.allreduce`` etc.) run
 on the context's communicator for the array's kind (numpy: MPI; CuPy: NCCL when usable).
@@ -8,11 +9,13 @@ on the context's communicator for the array's kind (numpy: MPI; CuPy: NCCL when 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from meta_dist.comm import Communicator, Handle, make_communicator
-from meta_dist.connector import MPIConnector
 from meta_dist.xp import is_cupy_array
+
+if TYPE_CHECKING:
+    from meta_dist.comm import Communicator, Handle
+    from meta_dist.connector import MPIConnector
 
 ZERO_LEVELS = (0, 1, 2)
 BACKEND_CHOICES = ("auto", "mpi", "nccl")
@@ -32,6 +35,8 @@ class DistContext:
         self._zero_opt_level = 0
         # Made now, on every rank: creating a communicator is collective, so making one lazily
         # inside send/recv (which only two ranks call) would hang the job.
+        from meta_dist.comm import make_communicator
+
         self._communicators: dict[str, Communicator] = {"mpi": make_communicator("mpi", connector)}
         if backend == "nccl" or (backend == "auto" and _nccl_usable_everywhere(connector)):
             self._communicators["nccl"] = make_communicator("nccl", connector)
@@ -122,6 +127,8 @@ def init(backend: str = "auto") -> DistContext:
     """
     global _context, _was_shut_down
     if _context is None:
+        from meta_dist.connector import MPIConnector
+
         _context = DistContext(MPIConnector(), backend=backend)
         _was_shut_down = False
     elif backend != "auto" and backend != _context.backend:

@@ -23,6 +23,22 @@ def test_exception_on_one_rank_aborts_job_with_traceback():
     assert "unreachable" not in result.output
 
 
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("how, code", [("raise", 1), ("exit", 3)])
+def test_a_rank_that_leaves_ends_the_job_with_its_code(when, how, code):
+    """Rank 1 raises or calls sys.exit(3) before meta_dist starts MPI or after; the other four
+    wait in an allreduce. The job must end within seconds with that rank's exit code (it
+    used to hang under both MPIs until the stall report, and lose the code)."""
+    start = time.monotonic()
+    result = run(5, ["tests/scripts/exit_early.py", when, how], timeout=60)
+    assert not result.timed_out and result.returncode == code, str(result)
+    assert time.monotonic() - start < 30
+    assert "unreachable" not in result.output
+    expected = ("RuntimeError: deliberate failure on rank 1" if how == "raise"
+                else "[rank 1] exits with code 3 while the job is running; ending the job")
+    assert expected in result.output, str(result)
+
+
 def test_rank_that_skips_a_collective_is_reported_not_hung():
     result = run(2, ["tests/scripts/skip_collective.py"], timeout=120)
     assert not result.timed_out and result.returncode != 0, str(result)

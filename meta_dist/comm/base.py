@@ -10,6 +10,7 @@ primitive moves flat, contiguous 1-D buffers. A backend implements only the prim
 from __future__ import annotations
 
 import os
+import queue
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -17,13 +18,12 @@ from typing import Any
 from mpi4py import MPI
 
 from meta_dist.comm import checks, plans
-from meta_dist.comm.checks import DTYPES, REDUCE_OPS
+from meta_dist.comm.checks import DTYPES
 from meta_dist.comm.consistency import ConsistencyCheck, StallWatchdog
 from meta_dist.comm.worker import CommThreads, Handle
 from meta_dist.connector import MPIConnector
 from meta_dist.xp import data_ptr
 
-_OP_CODES = {op: i for i, op in enumerate((*REDUCE_OPS, ""))}
 DEFAULT_STALL_TIMEOUT_S = 300.0
 
 
@@ -73,10 +73,11 @@ class Communicator(ABC):
         self._agree({"check": self.check, "thread_level": self._thread_level,
                      **self._call_settings()})
         self._check_comm = connector.comm.Dup()
-        self._consistency = ConsistencyCheck(self._check_comm)
+        self._consistency = ConsistencyCheck(self._check_comm, every_call=self.check)
         watchdog = StallWatchdog(self.rank, stall_timeout) if stall_timeout else None
         self._threads = CommThreads(watchdog, self._worker_started)
         self.fusion = plans.Fusion(self._address)
+        self.to_self: queue.Queue = queue.Queue()  # messages this rank sent itself
         self.closed = False
 
     # ---------------------------------------------------------------- public collectives
@@ -213,13 +214,30 @@ class Communicator(ABC):
         return self._start_p2p("recv", plans.recv(self, out, peer), peer, out)
 
     def barrier(self) -> None:
-        """Wait until every rank has reached the barrier. Collective."""
+        """Wait until every rank has reached the barrier. Collective.
+
+        With META_DIST_CHECK=0 the ranks' collectives since the last comparison are compared
+        here too (see ``verify_calls``).
+        """
         self._threads.run(self._barrier, "barrier")
+        self.verify_calls()
+
+    def verify_calls(self) -> None:
+        """Raise ValueError on every rank if the ranks' collectives differed since the last call.
+
+        With the per-call check on (the default) every call is compared as it is made, and
+        this does nothing. With it off (META_DIST_CHECK=0, ``check=False``) calls are only
+        fingerprinted, and compared here: one 16-byte allreduce. ``barrier``, ``close`` and
+        the trainer (each epoch) call it. Collective.
+        """
+        if self.size > 1 and not self.check:
+            self._threads.run(self._consistency.settle, "verify_calls")
 
     def close(self) -> None:
         """Finish pending asynchronous work and release buffers; later calls raise RuntimeError."""
         if self.closed:
             return
+        self.verify_calls()  # before anything is torn down: a mismatch still names itself
         self._threads.close()
         if self._threads.watchdog is not None:
             self._threads.watchdog.stop()
@@ -242,12 +260,13 @@ class Communicator(ABC):
         they raise there at once, naming the refusal (see ``ConsistencyCheck.refuse``).
         """
         try:
-            return make(self, *args)
+            run = make(self, *args)
         except Exception as error:  # anything refused before the check
             if self.size > 1 and self.check and not self.closed:
                 reason = f"{type(error).__name__}: {error}"
                 self._threads.run(lambda: self._consistency.refuse(api, reason), api)
             raise
+        return run if self.check else _advised(run, api)
 
     # ---------------------------------------------------------------- checks on this rank
 
@@ -298,8 +317,8 @@ class Communicator(ABC):
 
     def _fingerprint(self, api: str, arrays: list[Any], op: str = "", root: int = -1) -> None:
         """Raise ValueError on every rank if the ranks called different collectives or shapes."""
-        if self.size > 1 and self.check:
-            self._consistency.verify(api, arrays, DTYPES, _OP_CODES[op], root)
+        if self.size > 1:
+            self._consistency.verify(api, arrays, DTYPES, op, root)
 
     # ------------------------------------------------------------ running on a thread
 
@@ -401,3 +420,18 @@ class Communicator(ABC):
     def _close_backend(self) -> None:  # noqa: B027 (optional hook)
         """Release backend resources (called once by close())."""
 
+
+def _advised(run: plans.Run, api: str) -> plans.Run:
+    """Wrap ``run`` so that an MPI failure says what the per-call check would have shown."""
+
+    def advised() -> Any:
+        try:
+            return run()
+        except MPI.Exception as error:
+            raise RuntimeError(
+                f"{api}: the MPI library failed: {error.Get_error_string().strip()}; with "
+                "META_DIST_CHECK=0 the ranks' calls are not compared before they run, and ranks "
+                "that pass arrays of different sizes or dtypes fail like this: run with "
+                "META_DIST_CHECK=1 to see which ranks differ") from error
+
+    return advised

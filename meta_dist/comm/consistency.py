@@ -41,63 +41,75 @@ def shape_code(shapes: Sequence[tuple[int, ...]]) -> int:
 
 
 class ConsistencyCheck:
-    """Compare every rank's call before a collective runs.
+    """Compare every rank's call before a collective runs (or, with ``every_call`` off, later).
 
     A call's fingerprint (operation, op, root, dtype, shapes, array kind) is hashed once per
     distinct call and cached, and the ranks allreduce (max) the pair (h, -h): the result says
     max(h) and -min(h), which differ exactly when some rank's call differs. Only then is a
-    second, pickled exchange made to name every rank's arrays (or a rank's refusal).
+    second, pickled exchange made to name each field that differs, with every rank's value.
+    With ``every_call`` off the fingerprints are folded into a running hash instead, and
+    ``settle`` compares that (at a barrier, an epoch's end, close): a call that differed
+    surfaces there as an error, not as silently wrong numbers.
 
     Args:
         comm: a communicator of its own (a Dup), used only for the check.
+        every_call: compare before every call (META_DIST_CHECK=1) or only in ``settle``.
     """
 
-    def __init__(self, comm: MPI.Comm) -> None:
-        self.comm = comm
-        # call key -> the pair (h, -h) as bytes: what is sent, and what comes back when all agree
-        self._pairs: dict[tuple, bytes] = {}
+    def __init__(self, comm: MPI.Comm, every_call: bool = True) -> None:
+        self.comm, self.every_call = comm, every_call
+        # call key -> (the pair (h, -h) as bytes: what is sent and what comes back if all
+        # agree, and h)
+        self._pairs: dict[tuple, tuple[bytes, int]] = {}
+        self._running = 0  # the calls since the last settle, folded (every_call off)
         self._pair = np.empty(2, np.int64)
         self._sent = memoryview(self._pair).cast("B")
         self._result = np.empty(2, np.int64)
-        # A persistent allreduce (MPI-4) on these buffers: 1.7 µs a check on 2 ranks against
-        # 2.6 µs for MPI_Allreduce (Open MPI 5), 2.6 against 4.7 (MPICH 5). Collective to make.
+        # A persistent allreduce (MPI-4) on these buffers costs less per check than
+        # MPI_Allreduce (bench_collectives.py --check-cost). Collective to make.
         self._request: MPI.Prequest | None = None
         if hasattr(comm, "Allreduce_init"):
             with contextlib.suppress(NotImplementedError, MPI.Exception):
                 self._request = comm.Allreduce_init(self._pair, self._result, op=MPI.MAX)
 
     def verify(self, api: str, arrays: list[Any], dtypes: Sequence[np.dtype],
-               op_code: int, root: int) -> None:
+               op: str, root: int) -> None:
         """Raise ValueError on every rank if the ranks called different collectives or shapes.
 
         Collective: every rank calls it with its own arguments (or ``refuse``).
         """
         first = arrays[0]
         shapes = (first.shape,) if len(arrays) == 1 else tuple([a.shape for a in arrays])
-        key = (api, op_code, root, first.dtype.char, type(first), shapes)
-        pair = self._pairs.get(key)
-        if pair is None:
+        key = (api, op, root, first.dtype.char, type(first), shapes)
+        found = self._pairs.get(key)
+        if found is None:
             if len(self._pairs) > 4096:  # shapes that vary every call: keep the cache bounded
                 self._pairs.clear()
-            code = shape_code([(KINDS.index(api), op_code, root, dtypes.index(first.dtype),
-                                int(is_cupy_array(first)))] + list(shapes))
-            pair = self._pairs[key] = np.array([code, -code], np.int64).tobytes()
-        if self._exchange(pair) == pair:  # max(h) == h and min(h) == h: every rank agrees
+            code = shape_code([(KINDS.index(api), len(op) and ord(op[0]) * 256 + ord(op[-1]),
+                                root, dtypes.index(first.dtype), int(is_cupy_array(first)))]
+                              + list(shapes))
+            found = self._pairs[key] = (np.array([code, -code], np.int64).tobytes(), code)
+        pair, code = found
+        if not self.every_call:
+            self._running = (self._running * 1099511628211 + code + 1) % (1 << 62)
+        elif self._exchange(pair) != pair:  # max(h) == h and min(h) == h: every rank agrees
+            self._mismatch(api, _call(api, arrays, op, root))
+
+    def settle(self) -> None:
+        """Raise ValueError on every rank if the calls since the last settle differed.
+
+        Collective. Nothing to do when every call is compared as it is made.
+        """
+        if self.every_call:
             return
-        kind = "cupy " if is_cupy_array(first) else ""
-        described = f"{api} of {', '.join(f'{kind}{a.dtype} {tuple(a.shape)}' for a in arrays)}"
-        calls = self.comm.allgather(described)
-        listing = "; ".join(f"rank {r}: {d}" for r, d in enumerate(calls))
-        refused = [r for r, d in enumerate(calls) if d.startswith(REFUSED_MARK)]
-        if refused:
+        code, self._running = self._running, 0
+        pair = np.array([code, -code], np.int64).tobytes()
+        if self._exchange(pair) != pair:
             raise ValueError(
-                f"{api}: rank {', '.join(map(str, refused))} refused its arguments, so every rank "
-                f"abandons this call: {listing}; fix the arguments there")
-        raise ValueError(
-            f"{api}: the ranks passed different arrays or called different collectives: "
-            f"{listing}; every rank must call the same collective with the same shapes, dtype, "
-            "op and root"
-        )
+                "collectives: the ranks' calls since the last comparison differed (in "
+                "collective, op, root, dtype or shapes), so their results are not to be "
+                "trusted; META_DIST_CHECK=0 compares calls only at barriers, epoch ends and "
+                "close: run with META_DIST_CHECK=1 to see which call and which ranks differ")
 
     def refuse(self, api: str, reason: str) -> None:
         """Meet the peers in the check of this call and make it fail there, naming ``reason``.
@@ -107,7 +119,24 @@ class ConsistencyCheck:
         raises its own error afterwards. Collective, in the place of ``verify``.
         """
         self._exchange(REFUSED_PAIR)
-        self.comm.allgather(f"{REFUSED_MARK}{api} ({reason})")
+        self.comm.allgather({"refused": f"{api} ({reason})"})
+
+    def _mismatch(self, api: str, call: dict[str, Any]) -> None:
+        calls = self.comm.allgather(call)
+        refused = [r for r, c in enumerate(calls) if "refused" in c]
+        listing = "; ".join(f"rank {r}: " + (f"{REFUSED_MARK}{c['refused']}" if "refused" in c
+                                             else c["described"]) for r, c in enumerate(calls))
+        if refused:
+            raise ValueError(
+                f"{api}: rank {', '.join(map(str, refused))} refused its arguments, so every rank "
+                f"abandons this call: {listing}; fix the arguments there")
+        differ = [f for f in _FIELDS if len({repr(c[f]) for c in calls}) > 1]
+        fields = "; ".join(f"{f}: " + ", ".join(f"rank {r} {c[f]!r}" for r, c in enumerate(calls))
+                           for f in differ)
+        raise ValueError(
+            f"{api}: the ranks' calls differ in {', '.join(differ)} ({fields}); the ranks passed "
+            f"different arrays or called different collectives: {listing}; every rank must call "
+            "the same collective with the same shapes, dtype, op and root")
 
     def _exchange(self, pair: bytes) -> bytes:
         """Allreduce (max) this rank's pair with every rank's; return the result's bytes."""
@@ -124,6 +153,19 @@ class ConsistencyCheck:
         if self._request is not None:
             self._request.Free()
             self._request = None
+
+
+_FIELDS = ("collective", "op", "root", "dtype", "size", "shapes", "arrays")
+
+
+def _call(api: str, arrays: list[Any], op: str, root: int) -> dict[str, Any]:
+    """Describe one rank's call field by field, for the message that names what differs."""
+    kind = "cupy " if is_cupy_array(arrays[0]) else ""
+    shown = ", ".join(f"{kind}{a.dtype} {tuple(a.shape)}" for a in arrays)
+    return {"collective": api, "op": op or None, "root": root if root >= 0 else None,
+            "dtype": str(arrays[0].dtype), "size": sum(int(a.size) for a in arrays),
+            "shapes": [tuple(a.shape) for a in arrays],
+            "arrays": "cupy arrays" if kind else "numpy arrays", "described": f"{api} of {shown}"}
 
 
 class StallWatchdog:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -140,9 +141,17 @@ def reduce(c: Communicator, send: Any, root: int, op: str, out: Any) -> Run:
 
 
 def send(c: Communicator, send: Any, peer: int) -> Run:
-    """Plan ``Communicator.send``: a header first (with the check on), then the data."""
+    """Plan ``Communicator.send``: a header first (with the check on), then the data.
+
+    To this rank itself, a copy waits in ``c.to_self`` for the matching ``recv``: MPI's own
+    send to oneself blocks until a receive is posted, which from one thread never happens.
+    """
     sends, _ = c._inputs("send", send)
     checks.check_rank("send", "peer", peer, c.size)
+    if peer == c.rank:
+        total = sum(s.size for s in sends)
+        return lambda: c.to_self.put((sends[0].dtype, [s.shape for s in sends], c.fusion.pack(
+            sends, into=array_module(sends[0]).empty(total, sends[0].dtype))))
 
     def run() -> None:
         if c.check:
@@ -164,6 +173,8 @@ def recv(c: Communicator, out: Any, peer: int) -> Run:
     for o in outs:
         checks.check_writable("recv", o)
     total = sum(o.size for o in outs)
+    if peer == c.rank:
+        return lambda: _recv_from_self(c, outs, is_list, total)
 
     def run() -> Any:
         if c.check:
@@ -187,6 +198,22 @@ def recv(c: Communicator, out: Any, peer: int) -> Run:
         return outs if is_list else outs[0]
 
     return run
+
+
+def _recv_from_self(c: Communicator, outs: list[Any], is_list: bool, total: int) -> Any:
+    """Take the oldest message this rank sent itself (a blocking recv cannot wait for one)."""
+    if c.to_self.empty() and threading.current_thread() is threading.main_thread():
+        raise RuntimeError(
+            f"recv: rank {c.rank} receives from itself, and no send to itself is waiting; a "
+            "blocking recv from oneself would wait forever; send first (or use recv_async)")
+    dtype, shapes, data = c.to_self.get()
+    if (dtype, data.size, shapes) != (outs[0].dtype, total, [o.shape for o in outs]):
+        raise ValueError(
+            f"recv: rank {c.rank} sent itself {data.size} elements of {dtype} shaped {shapes}; "
+            f"expected {total} elements of {outs[0].dtype} shaped {[o.shape for o in outs]}; "
+            "send and recv must use the same shapes and dtype")
+    unpack(data, outs)
+    return outs if is_list else outs[0]
 
 
 class Fusion:

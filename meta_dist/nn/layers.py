@@ -44,6 +44,7 @@ class Layer:
     """
 
     grad_rows = False
+    buffer_names: tuple[str, ...] = ()  # state that is not trained (BatchNorm's running stats)
 
     def __init__(self) -> None:
         self.params: dict[str, object] = {}
@@ -334,6 +335,8 @@ class BatchNorm(Layer):
     rank's own part of the batch, not the global batch (PyTorch DDP's default, no SyncBatchNorm).
     The running statistics are buffers (plain attributes), not params.
     """
+
+    buffer_names = ("running_mean", "running_var")
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1, *,
                  rng: np.random.Generator | None = None, dtype=np.float32,

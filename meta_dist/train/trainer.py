@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 
 from meta_dist import distributed as dist
-from meta_dist.config import Config, check_world
+from meta_dist.config import Config, check_same_everywhere, check_world
 from meta_dist.nn.losses import softmax_cross_entropy
 from meta_dist.nn.model import Sequential
 from meta_dist.optim import make_optimizer
 from meta_dist.train.data import DistributedSampler
+from meta_dist.train.guard import FiniteGuard
 from meta_dist.xp import gpu_count, is_cupy_array, select_device
 from meta_dist.zero import STAGES, FlatModel, ZeroStage
 
@@ -83,6 +84,7 @@ class Trainer:
                  loss_fn: LossFn = softmax_cross_entropy, log: Any = sys.stdout) -> None:
         self.context = context or dist.get_context()
         check_world(config, self.context.size)
+        check_same_everywhere(config, self.context.connector.allgather)
         self.config, self.model, self.loss_fn = config, model, loss_fn
         self.log = log if self.context.rank == self.context.root_rank else None
         self.context.enable_data_parallel = config.dist.enable_data_parallel
@@ -98,7 +100,31 @@ class Trainer:
         del first  # the flat buffer replaces every parameter array; none may outlive the copy
         self.overlap = resolve_overlap(config.dist.overlap_comm, self.xp, self.context)
         self.stage = self._make_stage(STAGES[config.dist.zero_opt_level])
+        self._one_model()
         self.stage.attach()
+        mode = config.dist.nonfinite
+        self.guard = None if mode == "ignore" else FiniteGuard(mode, self.comm, self._param_at)
+        self.steps_done = 0
+
+    def _one_model(self) -> None:
+        """Give every rank rank 0's parameters and buffers, as DDP and DeepSpeed do on wrapping.
+
+        A per-rank seed (the commonest slip in a hand-written MPI script) would otherwise train
+        a different replica on each rank, and ZeRO would stitch shards of different models.
+        """
+        self.stage.broadcast_params(self.context.root_rank)
+        buffers = [getattr(layer, name) for layer in self.model.layers
+                   for name in layer.buffer_names]
+        if buffers:
+            self.comm.broadcast(buffers, self.context.root_rank, out=buffers)
+
+    def _param_at(self, offset: int) -> str:
+        """Return the name of the parameter at flat ``offset`` (``i.Layer.name``)."""
+        for slot in self.stage.flat.slots:
+            if slot.offset <= offset < slot.offset + slot.numel:
+                layer = self.model.layers[slot.layer]
+                return f"{slot.layer}.{type(layer).__name__}.{slot.name}"
+        return "padding"
 
     def _make_stage(self, stage_cls: type[ZeroStage]) -> ZeroStage:
         dcfg, tcfg = self.config.dist, self.config.train
@@ -113,12 +139,21 @@ class Trainer:
 
         return stage_cls(flat, self.comm, new_optimizer, overlap=self.overlap)
 
-    def train_step(self, x: Any, y: Any) -> Any:
-        """Run forward, backward (buckets reduced as they fill) and the update; return the loss."""
+    def train_step(self, x: Any, y: Any, where: str | None = None) -> Any:
+        """Run forward, backward (buckets reduced as they fill) and the update; return the loss.
+
+        Raises NonFiniteError on every rank when the loss or the gradients were not finite
+        (``meta_dist_config.nonfinite: stop``); ``where`` names the step in that message.
+        """
         output = self.model.forward(x)
         loss, dout = self.loss_fn(output, y)
         self.model.backward(dout)
-        self.stage.step()
+        self.steps_done += 1
+        if self.guard is not None:
+            self.guard.watch(loss)
+        self.stage.step(self.guard)
+        if self.guard is not None:
+            self.guard.settle(where or f"step {self.steps_done}")
         return loss
 
     def fit(self, x: np.ndarray, y: np.ndarray) -> list[float]:
@@ -136,10 +171,12 @@ class Trainer:
         for epoch in range(tcfg.n_epoch):
             start, total = time.perf_counter(), self.xp.zeros((), np.float64)
             for step, index in enumerate(sampler.epoch(epoch), 1):
-                total += self.train_step(self.xp.asarray(x[index]), self.xp.asarray(y[index]))
+                total += self.train_step(self.xp.asarray(x[index]), self.xp.asarray(y[index]),
+                                         f"epoch {epoch + 1} step {step}")
                 if step % tcfg.log_every == 0:
                     self._progress(epoch, step, sampler, start, total)
             mean = self.comm.allreduce(total.reshape(1) / sampler.steps_per_epoch, "avg")
+            self.comm.verify_calls()  # with META_DIST_CHECK=0, the epoch's calls compared here
             history.append(float(mean[0]))
             seconds = time.perf_counter() - start
             self._print(f"epoch {epoch + 1}/{tcfg.n_epoch}  loss {history[-1]:.4f}  "

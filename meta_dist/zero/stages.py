@@ -1,6 +1,6 @@
 """ZeroStage0..2: one class per ZeRO level, in order of increasing sharding.
 
-Imports meta_dist.comm.base (the interface only), meta_dist.optim and meta_dist.zero.flat.
+Imports meta_dist.optim and meta_dist.zero.flat (meta_dist.comm.base for type hints only).
 A stage owns the gradient buffers and the optimizer; the trainer calls ``attach`` once, runs
 forward and ``model.backward`` (the stage's hooks reduce each bucket as soon as backward has
 written all of it), then ``step()``. Gradients are averaged in exactly one place: the
@@ -15,12 +15,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from meta_dist.comm.base import Communicator, Handle
 from meta_dist.optim import Optimizer
 from meta_dist.zero.flat import FlatModel
 from meta_dist.zero.partition import Bucket, Slot, bucket_numel
+
+if TYPE_CHECKING:  # the interface only; importing comm would start MPI
+    from meta_dist.comm.base import Communicator, Handle
 
 OptimizerFactory = Callable[[int], Optimizer]
 
@@ -78,6 +80,13 @@ class ZeroStage:
     def _local_grads(self) -> list[Any]:
         return [self.flat_grads[s] for s in self.owned_slices()]
 
+    def _shard_grads(self) -> list[Any]:
+        """This rank's shard of every bucket's reduced gradient, at every level.
+
+        The ranks' shards together cover every gradient once: what a check looks at.
+        """
+        return [self.flat_grads[b.shard(self.rank)] for b in self.flat.buckets]
+
     def _after_update(self) -> None:
         """Level 0: every rank updated everything; nothing to gather."""
 
@@ -113,12 +122,24 @@ class ZeroStage:
                 self._pending.append(handle)
             self._next -= 1
 
-    def step(self) -> None:
-        """Finish the gradient reduction, update this rank's part, and share the result."""
+    def step(self, guard: Any = None) -> None:
+        """Finish the gradient reduction, update this rank's part, and share the result.
+
+        ``guard`` (a ``train.guard.FiniteGuard``) sees the reduced gradients this rank owns
+        first and may veto the update (on every rank alike).
+        """
         self._finish_reduction()
         params = [self.flat.flat_params[s] for s in self.owned_slices()]
-        self.optimizer.step(params, self._local_grads())
+        if guard is None or guard.inspect(self._shard_grads(), [b.shard(self.rank).start
+                                                              for b in self.flat.buckets]):
+            self.optimizer.step(params, self._local_grads())
         self._after_update()
+
+    def broadcast_params(self, root: int = 0) -> None:
+        """Give every rank ``root``'s parameters: one in-place broadcast per bucket. Collective."""
+        params = self.flat.flat_params
+        for bucket in self.flat.buckets:
+            self.comm.broadcast(params[bucket.whole], root, out=params[bucket.whole])
 
     def _finish_reduction(self) -> None:
         """Reduce any bucket backward did not complete, then wait for every reduction."""
@@ -221,6 +242,8 @@ class ZeroStage2(ZeroStage1):
 
     def _local_grads(self) -> list[Any]:
         return [self._grad_shard(b) for b in self.flat.buckets]
+
+    _shard_grads = _local_grads
 
     def _before_layer(self, layer: int) -> None:
         buckets = self.flat.layer_buckets.get(layer)

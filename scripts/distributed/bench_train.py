@@ -2,7 +2,7 @@
 
     mpirun -np 2 [--bind-to core] python scripts/distributed/bench_train.py [--levels 0,1,2]
         [--steps 30] [--warmup 5] [--blocks 5] [--overlap | --no-overlap] [--bucket-mb 25]
-        [--hidden 1024 | --big | --xl] [--torch]
+        [--hidden 1024 | --big | --xl] [--nonfinite stop|skip|ignore] [--torch]
 
 Workload: MLP 784 -> H -> H -> 10 with ReLU and softmax cross-entropy, synthetic data, Adam lr
 1e-3, fp32, GLOBAL batch 256 split evenly across the ranks; every run starts from the same
@@ -81,7 +81,7 @@ def meta_variant(level, args):
          "num_classes": 10, "dtype": "float32"},
         {"zero_opt_level": level, "overlap_comm": args.overlap, "bucket_size_mb": args.bucket_mb,
          "device": args.device, "backend": "mpi" if args.device == "cpu" else "auto",
-         "seed": SEED})
+         "seed": SEED, "nonfinite": args.nonfinite})
     xp = array_module_for(config)  # cupy on this rank's GPU for --device cuda
     trainer = Trainer(build_mlp(args.hidden, args.depth, xp), config, log=None)
     args.resolved_overlap = trainer.overlap
@@ -161,6 +161,8 @@ def parse_args():
                    help="meta_dist_config overlap_comm (reduce buckets during backward); "
                         "default: decided per run (on with a spare core or a GPU)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size (also DDP's cap)")
+    p.add_argument("--nonfinite", choices=("stop", "skip", "ignore"), default="stop",
+                   help="meta_dist_config nonfinite (ignore: no per-step finite check)")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--hidden", type=int, default=1024, help="width of the hidden layers")
     size.add_argument("--big", dest="hidden", action="store_const", const=3584,

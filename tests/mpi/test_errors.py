@@ -220,3 +220,54 @@ def test_reduce_scatter_refuses_a_partial_overlap(comm):
     with pytest.raises(ValueError, match="out overlaps send elsewhere than this rank's rows"):
         comm.reduce_scatter(send, out=wrong)
     comm.reduce_scatter(send, out=send[comm.rank * 4:(comm.rank + 1) * 4])  # in place: fine
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("field", ["op", "root", "dtype", "size"])
+def test_mismatch_names_the_field_and_each_ranks_value(comm, field):
+    """A call that differs only in op, root, dtype or size says which, with every rank's value
+    (before, both ranks' calls were printed alike when only the op or root differed)."""
+    r = comm.rank
+    calls = {"op": (lambda: comm.allreduce(np.ones(4), op="sum" if r == 0 else "max"),
+                    "'sum'", "'max'"),
+             "root": (lambda: comm.broadcast(np.ones(4), root=0 if r == 0 else 1), "0", "1"),
+             "dtype": (lambda: comm.allreduce(np.ones(4, np.float32 if r == 0 else np.float64)),
+                       "'float32'", "'float64'"),
+             "size": (lambda: comm.allreduce(np.ones(4 + (r > 0))), "4", "5")}
+    call, first, other = calls[field]
+    with pytest.raises(ValueError) as err:
+        call()
+    text = str(err.value)
+    assert re.search(rf"the ranks' calls differ in [a-z, ]*\b{field}\b", text), text
+    assert f"{field}: rank 0 {first}, rank 1 {other}" in text, text
+    np.testing.assert_array_equal(comm.allreduce(np.ones(3)), np.full(3, comm.size))  # usable
+
+
+@pytest.mark.mpi(min_size=2)
+def test_without_the_per_call_check_a_mismatch_still_surfaces(connector):
+    """check=False compares no call before it runs (one op differs here: MPI computes without
+    complaint), but the next barrier compares the calls made since and fails on every rank."""
+    comm = make_communicator("mpi", connector, check=False)
+    try:
+        comm.allreduce(np.ones(4), op="sum" if comm.rank == 0 else "max")
+        with pytest.raises(ValueError, match="calls since the last comparison differed.*run "
+                                             "with META_DIST_CHECK=1"):
+            comm.barrier()
+        comm.allreduce(np.ones(4))
+        comm.barrier()  # agreed again: nothing to report
+        comm.verify_calls()
+    finally:
+        comm.close()
+
+
+def test_mpi_errors_without_the_check_say_how_to_see_which_ranks_differ():
+    from mpi4py import MPI
+
+    from meta_dist.comm.base import _advised
+
+    def truncated():
+        raise MPI.Exception(MPI.ERR_TRUNCATE)
+
+    with pytest.raises(RuntimeError, match=r"allreduce: the MPI library failed: .*run with "
+                                           "META_DIST_CHECK=1 to see which ranks differ"):
+        _advised(truncated, "allreduce")()

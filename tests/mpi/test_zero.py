@@ -21,13 +21,14 @@ from meta_dist import MPIConnector
 from meta_dist.comm.mpi_backend import MpiCommunicator
 from meta_dist.config import load_config
 from meta_dist.distributed import DistContext
-from meta_dist.nn.layers import Linear, ReLU, Tanh
+from meta_dist.nn.layers import BatchNorm, Linear, ReLU, Tanh
 from meta_dist.nn.losses import mse_loss, softmax_cross_entropy
 from meta_dist.nn.model import Sequential
 from meta_dist.train import Trainer
+from meta_dist.train.guard import NonFiniteError
 
 STEPS = 4
-GLOBAL_BATCH = 12  # divides 1, 2, 3 and 4 ranks
+GLOBAL_BATCH = 60  # divides 1, 2, 3, 4 and 5 ranks
 
 
 def classifier(rng, dtype):  # 25 + 18 = 43 parameters: a prime, so never divisible by N
@@ -242,3 +243,75 @@ def test_zero2_waits_before_reusing_a_staging_buffer(contexts):
                 np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12, err_msg=name)
     finally:
         slow.close()
+
+
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_per_rank_seeds_train_rank_0s_model(contexts, level):
+    """Each rank draws its own initial weights (a per-rank seed): the trainer gives every rank
+    rank 0's, so training equals one process that started from rank 0's seed."""
+    world, alone = contexts
+    x, y, loss_fn = data("deep", "float64")
+    mine = Trainer(MODELS["deep"][0](np.random.default_rng(7 + world.rank), "float64"),
+                   make_config(level, "adam", "float64"), context=world, loss_fn=loss_fn,
+                   log=None)
+    ref = trainer_on(alone, "deep", make_config(0, "adam", "float64"), "float64", loss_fn)
+    b, r = GLOBAL_BATCH // world.size, world.rank
+    for step in range(STEPS):
+        ref.train_step(x[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH],
+                       y[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH])
+        mine.train_step(x[step * GLOBAL_BATCH + r * b:step * GLOBAL_BATCH + (r + 1) * b],
+                        y[step * GLOBAL_BATCH + r * b:step * GLOBAL_BATCH + (r + 1) * b])
+        assert same_on_every_rank(world.connector, mine.stage.flat.flat_params)
+        for (name, got), want in zip(mine.model.state().items(), ref.model.state().values(),
+                                     strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+def test_buffers_start_as_rank_0s(contexts):
+    world, _ = contexts
+    model = Sequential(Linear(4, 3, rng=np.random.default_rng(world.rank), dtype="float64"),
+                       BatchNorm(3, dtype="float64"))
+    model.layers[1].running_mean[...] = world.rank + 1.0
+    Trainer(model, make_config(1, "sgd", "float64"), context=world, loss_fn=mse_loss, log=None)
+    np.testing.assert_array_equal(model.layers[1].running_mean, np.ones(3))
+    assert same_on_every_rank(world.connector, model.layers[0].params["weight"])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_with_different_configs_refuse_to_train(contexts):
+    world, _ = contexts
+    config = load_config({"optimizer": "sgd", "lr": 0.1 if world.rank == 0 else 0.5,
+                          "batch_size": GLOBAL_BATCH}, {"backend": "mpi", "device": "cpu"})
+    with pytest.raises(ValueError) as err:
+        trainer_on(world, "classifier", config, "float32", softmax_cross_entropy)
+    text = str(err.value)
+    assert "train_config.lr: rank 0 0.1 (script dict), rank 1 0.5 (script dict)" in text, text
+    assert "meta_dist_config" not in text.split(";")[0]  # only the key that differs
+
+
+@pytest.mark.parametrize("level", [0, 2])
+@pytest.mark.parametrize("mode", ["stop", "skip"])
+def test_a_nan_in_one_ranks_input(contexts, level, mode):
+    """A NaN in one input row of the last rank: 'stop' raises on every rank naming the step and
+    the rank; 'skip' leaves that step's update out on every rank and counts it."""
+    world, _ = contexts
+    config = load_config({"optimizer": "sgd", "lr": 0.1, "batch_size": GLOBAL_BATCH,
+                          "n_epoch": 1, "n_mini_batch": STEPS, "dtype": "float64"},
+                         {"zero_opt_level": level, "nonfinite": mode, "backend": "mpi",
+                          "device": "cpu"})
+    x, y, _ = data("classifier", "float64")
+    bad = world.size - 1
+    order = np.random.default_rng([0, 0]).permutation(len(x))  # the sampler's epoch 0
+    row = order[GLOBAL_BATCH + bad * (GLOBAL_BATCH // world.size)]  # step 2, last rank's first
+    x = x.copy()
+    x[row, 1] = np.nan
+    trainer = trainer_on(world, "classifier", config, "float64", softmax_cross_entropy)
+    if mode == "stop":
+        with pytest.raises(NonFiniteError, match=rf"non-finite loss at epoch 1 step 2: on rank "
+                                                 rf"{bad} \(rank {bad}: nan\)"):
+            trainer.fit(x, y)
+        return
+    losses = trainer.fit(x, y)
+    assert trainer.guard.skipped == 1 and np.isnan(losses[0])
+    assert all(np.isfinite(p).all() for p in trainer.model.state().values())
+    assert same_on_every_rank(world.connector, trainer.stage.flat.flat_params)

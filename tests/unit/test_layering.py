@@ -9,10 +9,12 @@ PACKAGE = Path(__file__).resolve().parents[2] / "meta_dist"
 ALLOWED = {
     "meta_dist.xp": set(),
     "meta_dist.config": set(),
-    "meta_dist.connector": set(),
+    "meta_dist.failfast": set(),
+    "meta_dist.connector": {"meta_dist.failfast"},
     "meta_dist.nn": {"meta_dist.xp", "meta_dist.nn"},
     "meta_dist.optim": {"meta_dist.xp", "meta_dist.optim"},
-    "meta_dist.comm": {"meta_dist.comm", "meta_dist.connector", "meta_dist.xp"},
+    "meta_dist.comm": {"meta_dist.comm", "meta_dist.connector", "meta_dist.failfast",
+                       "meta_dist.xp"},
     "meta_dist.distributed": {"meta_dist.comm", "meta_dist.connector", "meta_dist.xp"},
     "meta_dist.zero": {"meta_dist.zero", "meta_dist.comm", "meta_dist.nn", "meta_dist.optim",
                        "meta_dist.xp"},
@@ -61,3 +63,20 @@ def test_leaves_do_not_import_mpi():
         root = PACKAGE / leaf
         for path in root.rglob("*.py") if root.is_dir() else [root]:
             assert "mpi4py" not in set(imports_of(path)), f"{path} imports mpi4py"
+
+
+def test_importing_meta_dist_starts_no_mpi():
+    """MPI starts with the context, not on import: a rank that fails before dist.init() then
+    exits like any process (tests/test_launch.py ends such jobs under both MPIs)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import meta_dist, meta_dist.nn.layers, meta_dist.train, meta_dist.zero\n"
+            "import meta_dist.config, meta_dist.optim\n"
+            "from meta_dist import distributed as dist\n"
+            "print(sorted(m for m in sys.modules if m.startswith('mpi4py.')))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=PACKAGE.parent, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout

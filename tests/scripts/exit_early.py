@@ -1,0 +1,34 @@
+"""One rank leaves early while the others wait in a collective: the job must end at once.
+
+    mpirun -np N python tests/scripts/exit_early.py WHEN HOW
+
+WHEN is ``before`` (before meta_dist starts MPI) or ``after`` (once the context is up); HOW is
+``raise`` (an uncaught exception) or ``exit`` (sys.exit(3)). Rank 1 leaves; the others go on to
+an allreduce that rank 1 never joins.
+"""
+
+import os
+import sys
+
+import numpy as np
+
+import meta_dist
+import meta_dist.nn.layers  # noqa: F401  (importing any part of meta_dist starts no MPI)
+
+WHEN, HOW = sys.argv[1], sys.argv[2]
+RANK = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
+
+
+def leave():
+    if HOW == "raise":
+        raise RuntimeError(f"deliberate failure on rank 1 {WHEN} init")
+    sys.exit(3)
+
+
+if WHEN == "before" and RANK == 1:
+    leave()
+context = meta_dist.init()
+if WHEN == "after" and context.rank == 1:
+    leave()
+meta_dist.allreduce(np.ones(4))
+print("unreachable: allreduce returned without rank 1", flush=True)
