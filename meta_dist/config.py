@@ -81,7 +81,10 @@ class DistConfig(_Validated):
         seed: Seed for parameter init and data order; the same on every rank.
         nonfinite: What a non-finite loss or gradient does: ``stop`` the job on every rank
             with a message naming where (default), ``skip`` that step on every rank, or
-            ``ignore`` it (no check).
+            ``ignore`` it (no check). Under fp16 an overflow always skips the step and lowers
+            the loss scale.
+        max_skipped_steps: Skipped steps in a row (fp16: at the loss scale's floor) before the
+            run stops: a model that only skips has stopped learning.
     """
 
     enable_data_parallel: bool = True
@@ -94,6 +97,7 @@ class DistConfig(_Validated):
     device: str = _choice("auto", "cpu", "cuda")
     seed: int = _rule(0, ">= 0", lambda v: v >= 0)
     nonfinite: str = _choice("stop", "skip", "ignore")
+    max_skipped_steps: int = _rule(10, ">= 1", lambda v: v >= 1)
 
     @staticmethod
     def _check_together(values: dict[str, Any], where: Callable[..., str]) -> None:
@@ -134,6 +138,16 @@ class TrainConfig(_Validated):
         data_path: An ``.npz`` file with arrays ``x`` and ``y``; None means synthetic data.
             Relative paths are taken from the working directory.
         log_every: Print the loss every this many mini-batches.
+        precision: ``fp32``, or ``fp16``/``bf16`` mixed precision: the layers compute with
+            16-bit working copies of the parameters, the optimizer updates fp32 master copies
+            (sharded as the ZeRO level says). Needs ``dtype: float32``.
+        loss_scale: fp16's loss scale: ``dynamic`` (halved on overflow, doubled after 2000
+            good steps) or a fixed number > 0.
+        grad_accum_steps: Micro-batches per optimizer step; ``batch_size`` stays the global
+            batch of one step, split into size x grad_accum_steps micro-batches.
+        clip_grad_norm: Clip the gradients to this global L2 norm (null: no clipping).
+        lr_schedule: ``constant`` or ``cosine`` (decay to 0 at the last step).
+        warmup_steps: Optimizer steps of linear warmup first.
     """
 
     n_epoch: int = _rule(3, ">= 1", lambda v: v >= 1)
@@ -155,9 +169,29 @@ class TrainConfig(_Validated):
     dtype: str = _choice("float32", "float64")
     data_path: str | None = None
     log_every: int = _rule(1, ">= 1", lambda v: v >= 1)
+    precision: str = _choice("fp32", "fp16", "bf16")
+    loss_scale: str | float = _rule(
+        "dynamic", "'dynamic' or a number > 0",
+        lambda v: v == "dynamic" if isinstance(v, str) else v > 0)
+    grad_accum_steps: int = _rule(1, ">= 1", lambda v: v >= 1)
+    clip_grad_norm: float | None = _rule(None, "null or > 0", lambda v: v is None or v > 0)
+    lr_schedule: str = _choice("constant", "cosine")
+    warmup_steps: int = _rule(0, ">= 0", lambda v: v >= 0)
 
     @staticmethod
     def _check_together(values: dict[str, Any], where: Callable[..., str]) -> None:
+        if values["precision"] != "fp32" and values["dtype"] != "float32":
+            raise ValueError(
+                f"{where('precision', 'dtype')}: {TRAIN}.precision {values['precision']} needs "
+                f"a float32 model; got dtype={values['dtype']!r}, expected dtype 'float32' with "
+                f"fp16 or bf16 (its fp32 copy is the master); set dtype: float32 or precision: "
+                "fp32")
+        if values["precision"] != "fp16" and values["loss_scale"] != "dynamic":
+            raise ValueError(
+                f"{where('loss_scale', 'precision')}: {TRAIN}.loss_scale is for fp16 only; got "
+                f"loss_scale={values['loss_scale']!r} with precision={values['precision']!r}, "
+                "expected precision fp16 or loss_scale dynamic (the default, unused outside "
+                "fp16)")
         if values["optimizer"] == "sgd" and values["nesterov"] and values["momentum"] == 0:
             raise ValueError(
                 f"{where('nesterov', 'momentum')}: {TRAIN}.nesterov needs {TRAIN}.momentum; got "
@@ -280,15 +314,19 @@ def check_world(config: Config, size: int) -> None:
             f"{where}); got enable_data_parallel=False, expected true when size > 1; every rank "
             "would train its own copy, so set enable_data_parallel: true or launch 1 rank"
         )
-    batch = config.train.batch_size
-    if batch % size:
+    batch, micro = config.train.batch_size, config.train.grad_accum_steps
+    parts = size * micro
+    if batch % parts:
         where = _where(config.sources.get(f"{TRAIN}.batch_size", "code"))
-        below, above = batch - batch % size, batch - batch % size + size
+        below, above = batch - batch % parts, batch - batch % parts + parts
         nearest = f"{below} or {above}" if below else str(above)
+        split = f"{size} ranks" + (f" x {micro} micro-batches" if micro > 1 else "")
         raise ValueError(
-            f"check_world: {TRAIN}.batch_size does not split across {size} ranks (set in "
-            f"{where}); got batch_size={batch}, size={size}, expected a multiple of {size}; "
-            f"use batch_size={nearest}, or a rank count that divides {batch}"
+            f"check_world: {TRAIN}.batch_size does not split across {split} (set in "
+            f"{where}); got batch_size={batch}, size={size}"
+            + (f", grad_accum_steps={micro}" if micro > 1 else "")
+            + f", expected a multiple of {parts}; use batch_size={nearest}, or a rank count "
+            f"that divides {batch}"
         )
 
 
@@ -519,6 +557,8 @@ def _coerce(value: Any, hint: Any) -> Any:
             return _BAD
         items = tuple(_coerce(v, k) for v, k in zip(value, kinds, strict=True))
         return _BAD if any(item is _BAD for item in items) else items
+    if args and get_origin(hint) is not tuple:  # a union such as float | str: the first fit
+        return next((c for c in (_coerce(value, a) for a in args) if c is not _BAD), _BAD)
     if isinstance(value, bool) and hint is not bool:  # bool is an int subclass: reject it
         return _BAD
     if hint is float and isinstance(value, (int, float)):
@@ -534,6 +574,8 @@ def _type_name(hint: Any) -> str:
         if args[-1] is Ellipsis:
             return f"a list of {_type_name(args[0])}"
         return f"a list of {len(args)} {_type_name(args[0])}s"
+    if args:
+        return " or ".join(_type_name(a) for a in args)
     return {bool: "bool (true/false)", float: "finite float"}.get(hint, hint.__name__)
 
 

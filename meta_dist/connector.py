@@ -80,6 +80,17 @@ class MPIConnector:
         return self._rank == ROOT_RANK
 
     @property
+    def host(self) -> str:
+        """This rank's host name, as MPI reports it (MPI_Get_processor_name)."""
+        return MPI.Get_processor_name()
+
+    @property
+    def library_version(self) -> str:
+        """The MPI library's version line, printable (its C string ends in a NUL byte)."""
+        text = MPI.Get_library_version().splitlines()[0] if MPI.Get_library_version() else ""
+        return "".join(c for c in text if c.isprintable()).strip()
+
+    @property
     def closed(self) -> bool:
         """True after close()."""
         return self._comm is None

@@ -19,6 +19,12 @@ from meta_dist.xp import array_module, data_ptr
 REDUCE_OPS = ("sum", "avg", "max", "min", "prod")
 SCATTER_OPS = ("sum", "avg")
 DTYPES = tuple(np.dtype(d) for d in ("float16", "float32", "float64", "int32", "int64", "uint8"))
+try:  # numpy has no bfloat16; ml_dtypes (which CuPy 14 uses too) adds it where installed
+    import ml_dtypes
+
+    DTYPES += (np.dtype(ml_dtypes.bfloat16),)
+except ImportError:
+    pass
 _DTYPE_SET = frozenset(DTYPES)
 
 
@@ -70,7 +76,7 @@ def check_op(api: str, op: Any, allowed: tuple[str, ...], dtype: np.dtype) -> No
     """Raise unless ``op`` is one of ``allowed`` and fits ``dtype`` ("avg" needs floats)."""
     if not isinstance(op, str) or op not in allowed:
         raise ValueError(f"{api}: unknown op; got {op!r}, expected one of {', '.join(allowed)}")
-    if op == "avg" and dtype.kind != "f":
+    if op == "avg" and dtype.kind != "f" and dtype.name != "bfloat16":
         raise TypeError(f"{api}: op 'avg' needs a floating dtype; got {dtype}; use op='sum' and "
                         "divide, or convert to float")
 

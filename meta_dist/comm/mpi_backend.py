@@ -24,6 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 from meta_dist.comm.base import Communicator
+from meta_dist.comm.checks import DTYPES
 from meta_dist.comm.staging import HostStaging, cuda_aware_requested, staged
 from meta_dist.connector import MPIConnector
 from meta_dist.xp import array_module, data_ptr, gpu_count, select_device
@@ -31,8 +32,10 @@ from meta_dist.xp import array_module, data_ptr, gpu_count, select_device
 MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
 UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 # Open MPI 5.0's MPI_SUM on MPI_UNSIGNED_CHAR saturates at 255 (seen with the PyPI wheel) where
-# numpy and C wrap modulo 256: these dtypes are always reduced by numpy in the pairwise path.
-NUMPY_REDUCED_DTYPES = (np.dtype(np.uint8),)
+# numpy and C wrap modulo 256, and MPI has no bfloat16 at all: these dtypes are always reduced
+# by numpy in the pairwise path (bfloat16 travels as its 16 raw bits).
+NUMPY_REDUCED_DTYPES = (np.dtype(np.uint8),) + tuple(
+    d for d in DTYPES if d.char not in MPI._typedict)
 PAIRWISE_MIN_BYTES = {"allreduce": 16 * 2**20, "reduce_scatter": 128 * 1024}
 SEGMENT_BYTES = 512 * 1024
 # Tags: the pairwise exchange uses Sendrecv on the communicator that also carries the user's
@@ -98,7 +101,8 @@ class MpiCommunicator(Communicator):
         bounds = chunk_bounds(send.size, self.size)
         self._pairwise_reduce(send, recv[bounds[self.rank] : bounds[self.rank + 1]], bounds, op)
         counts = [hi - lo for lo, hi in itertools.pairwise(bounds)]
-        self._comm.Allgatherv(MPI.IN_PLACE, [recv, counts, bounds[:-1], _mpi_type(recv)])
+        wire = _wire(recv)
+        self._comm.Allgatherv(MPI.IN_PLACE, [wire, counts, bounds[:-1], _mpi_type(wire)])
 
     @staged("reduce_scatter")
     def _reduce_scatter(self, send: Any, recv: Any, op: str) -> None:
@@ -122,12 +126,12 @@ class MpiCommunicator(Communicator):
         if self._address(mine) != self._address(send):  # MPI_IN_PLACE everywhere, as MPI asks
             mine[...] = send
         if self.size > 1:
-            self._comm.Allgather(MPI.IN_PLACE, recv)
+            self._comm.Allgather(MPI.IN_PLACE, _wire(recv))
 
     @staged("broadcast")
     def _broadcast(self, buf: Any, root: int) -> None:
         if self.size > 1:
-            self._comm.Bcast(buf, root=root)
+            self._comm.Bcast(_wire(buf), root=root)
 
     @staged("reduce")
     def _reduce(self, send: Any, recv: Any, op: str, root: int) -> None:
@@ -146,11 +150,11 @@ class MpiCommunicator(Communicator):
 
     @staged("send")
     def _send(self, buf: Any, peer: int) -> None:
-        self._comm.Send(buf, dest=peer, tag=P2P_TAG)
+        self._comm.Send(_wire(buf), dest=peer, tag=P2P_TAG)
 
     @staged("recv")
     def _recv(self, buf: Any, peer: int) -> None:
-        self._comm.Recv(buf, source=peer, tag=P2P_TAG)
+        self._comm.Recv(_wire(buf), source=peer, tag=P2P_TAG)
 
     def _barrier(self) -> None:
         self._comm.Barrier()
@@ -187,8 +191,8 @@ class MpiCommunicator(Communicator):
                 to, frm = (rank + k) % size, (rank - k) % size
                 piece = send[bounds[to] + start : min(bounds[to] + start + seg, bounds[to + 1])]
                 got = scratch[: part.size]
-                self._comm.Sendrecv(piece, dest=to, sendtag=EXCHANGE_TAG, recvbuf=got,
-                                    source=frm, recvtag=EXCHANGE_TAG)
+                self._comm.Sendrecv(_wire(piece), dest=to, sendtag=EXCHANGE_TAG,
+                                    recvbuf=_wire(got), source=frm, recvtag=EXCHANGE_TAG)
                 ufunc(total, got, out=part)  # CuPy arrays (CUDA-aware MPI) take CuPy's ufunc
                 total = part
 
@@ -210,3 +214,8 @@ def chunk_bounds(numel: int, parts: int) -> list[int]:
 def _mpi_type(arr: Any) -> MPI.Datatype:
     """Return the predefined MPI datatype of an array's dtype (for explicit buffer specs)."""
     return MPI._typedict[arr.dtype.char]
+
+
+def _wire(arr: Any) -> Any:
+    """Return ``arr`` as MPI can move it: a dtype MPI lacks (bfloat16) as its raw 16 bits."""
+    return arr.view(np.uint16) if arr.dtype.char not in MPI._typedict else arr

@@ -21,7 +21,7 @@ from meta_dist.xp import is_cupy_array, select_device
 # when a communicator is made. avg is summed here: the base divides by size exactly once.
 NCCL_DTYPE_NAMES = {"uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "int64": "NCCL_INT64",
                     "float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32",
-                    "float64": "NCCL_FLOAT64"}
+                    "float64": "NCCL_FLOAT64", "bfloat16": "NCCL_BFLOAT16"}
 NCCL_OP_NAMES = {"sum": "NCCL_SUM", "avg": "NCCL_SUM", "prod": "NCCL_PROD", "max": "NCCL_MAX",
                  "min": "NCCL_MIN"}
 # CuPy's NcclError knows statuses up to 6 and raises KeyError(7) / KeyError(8) for the rest.
@@ -220,7 +220,8 @@ class NcclCommunicator(Communicator):
                 comm.abort()
             raise
         self._cupy, self._nccl, self._comm = cupy, nccl, comm
-        self._dtypes = {name: getattr(nccl, code) for name, code in NCCL_DTYPE_NAMES.items()}
+        self._dtypes = {name: getattr(nccl, code) for name, code in NCCL_DTYPE_NAMES.items()
+                        if hasattr(nccl, code)}  # NCCL_BFLOAT16 only where CuPy names it
         self._ops = {name: getattr(nccl, code) for name, code in NCCL_OP_NAMES.items()}
         self._stream = cupy.cuda.Stream(non_blocking=True) if stream is None else stream
         self._token = cupy.zeros(1, cupy.float32)  # barrier's one-element allreduce

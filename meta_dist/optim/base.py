@@ -61,6 +61,7 @@ class Optimizer:
         self._scratch = self._workspace()
         self._l2_weight_decay = 0.0
         self._decayed_grad: Array | None = None
+        self._grad_space: Array | None = None  # widened or scaled gradients, one block
 
     def _workspace(self) -> Array:
         """Allocate an uninitialised buffer for one block (workspace, not state)."""
@@ -95,13 +96,18 @@ class Optimizer:
         """
         raise NotImplementedError
 
-    def step(self, params: Array | Sequence[Array], grads: Array | Sequence[Array]) -> None:
+    def step(self, params: Array | Sequence[Array], grads: Array | Sequence[Array],
+             grad_scale: float = 1.0) -> None:
         """Apply one update to ``params`` in place.
 
         Args:
             params: one 1-D array, or a list of 1-D arrays (pieces) laid end to end in the state.
             grads: gradients shaped like ``params`` (an array, or a list of as many pieces).
-                Read only: they are never written to.
+                Read only: they are never written to. They may be of a narrower floating
+                dtype than the optimizer's (float16, bfloat16 working gradients under mixed
+                precision): each block is then widened on the fly.
+            grad_scale: multiplies every gradient first (undoing a loss scale, averaging
+                accumulated micro-batches, clipping), in the same block pass.
 
         Raises:
             ValueError: the pieces do not pair up, are not 1-D, or do not total ``numel``.
@@ -112,12 +118,26 @@ class Optimizer:
         self.step_count += 1
         offset, block = 0, self._block
         for param, grad in pieces:
+            widen = grad.dtype != self.dtype or grad_scale != 1.0
             step = block or max(param.size, 1)
             for start in range(0, param.size, step):
                 stop = min(start + step, param.size)
-                self._update(param[start:stop], grad[start:stop],
-                             slice(offset + start, offset + stop))
+                g = grad[start:stop]
+                if widen:  # into a workspace of our dtype: grads stay read only
+                    g = self._widened(g, grad_scale)
+                self._update(param[start:stop], g, slice(offset + start, offset + stop))
             offset += param.size
+
+    def _widened(self, grad: Array, scale: float) -> Array:
+        """Return ``grad * scale`` in this optimizer's dtype, in the gradient workspace."""
+        if self._grad_space is None or self._grad_space.size < grad.size:
+            self._grad_space = self._workspace() if self._block else self.xp.empty(
+                grad.size, self.dtype)
+        out = self._grad_space[: grad.size]
+        out[...] = grad
+        if scale != 1.0:
+            out *= self.dtype.type(scale)
+        return out
 
     def _check_pieces(self, params: Any, grads: Any) -> list[tuple[Array, Array]]:
         """Pair params with grads and check them all before anything is written."""
@@ -148,9 +168,12 @@ class Optimizer:
             )
         if arr.ndim != 1:
             raise ValueError(f"{api}: {label} is {arr.ndim}-D; got shape {arr.shape}, expected 1-D")
-        if arr.dtype != self.dtype:
+        narrower = label.startswith("grads") and arr.dtype.kind in "fV" and (
+            arr.dtype.itemsize < self.dtype.itemsize)  # bfloat16 (ml_dtypes) is kind "V"
+        if arr.dtype != self.dtype and not narrower:
             raise TypeError(
                 f"{api}: {label} has the wrong dtype; got {arr.dtype}, expected {self.dtype}"
+                + ("" if label.startswith("params") else " or a narrower floating dtype")
             )
 
     def _add_l2_decay(self, param: Array, grad: Array, piece: slice) -> Array:

@@ -11,6 +11,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,12 @@ from meta_dist.nn.losses import softmax_cross_entropy
 from meta_dist.nn.model import Sequential
 from meta_dist.optim import make_optimizer
 from meta_dist.train.data import DistributedSampler
-from meta_dist.train.guard import FiniteGuard
+from meta_dist.train.guard import StepGuard
+from meta_dist.train.scaler import LossScaler
+from meta_dist.train.schedule import learning_rate
 from meta_dist.xp import gpu_count, is_cupy_array, select_device
 from meta_dist.zero import STAGES, FlatModel, ZeroStage
+from meta_dist.zero.stages import broadcast_model
 
 LossFn = Callable[[Any, Any], tuple[Any, Any]]
 OPTIMIZER_KEYS = {"sgd": ("lr", "momentum", "nesterov", "weight_decay"),
@@ -48,6 +52,28 @@ def array_module_for(config: Config, context: dist.DistContext | None = None) ->
     import cupy
 
     return cupy
+
+
+def working_dtype(precision: str, dtype: np.dtype) -> np.dtype:
+    """Return the dtype the layers compute in: ``dtype`` for fp32, else float16 or bfloat16.
+
+    numpy has no bfloat16; ml_dtypes supplies the one CuPy 14 uses as well.
+
+    Raises:
+        RuntimeError: bf16 without ml_dtypes installed.
+    """
+    if precision == "fp32":
+        return dtype
+    if precision == "fp16":
+        return np.dtype(np.float16)
+    try:
+        import ml_dtypes
+    except ImportError as error:
+        raise RuntimeError(
+            "precision bf16 needs the ml_dtypes package (numpy has no bfloat16); got "
+            f"ImportError: {error}; pip install ml_dtypes, or use precision: fp16 or fp32"
+        ) from None
+    return np.dtype(ml_dtypes.bfloat16)
 
 
 def resolve_overlap(setting: bool | None, xp: Any, context: dist.DistContext) -> bool:
@@ -100,23 +126,18 @@ class Trainer:
         del first  # the flat buffer replaces every parameter array; none may outlive the copy
         self.overlap = resolve_overlap(config.dist.overlap_comm, self.xp, self.context)
         self.stage = self._make_stage(STAGES[config.dist.zero_opt_level])
-        self._one_model()
         self.stage.attach()
-        mode = config.dist.nonfinite
-        self.guard = None if mode == "ignore" else FiniteGuard(mode, self.comm, self._param_at)
-        self.steps_done = 0
-
-    def _one_model(self) -> None:
-        """Give every rank rank 0's parameters and buffers, as DDP and DeepSpeed do on wrapping.
-
-        A per-rank seed (the commonest slip in a hand-written MPI script) would otherwise train
-        a different replica on each rank, and ZeRO would stitch shards of different models.
-        """
-        self.stage.broadcast_params(self.context.root_rank)
-        buffers = [getattr(layer, name) for layer in self.model.layers
-                   for name in layer.buffer_names]
-        if buffers:
-            self.comm.broadcast(buffers, self.context.root_rank, out=buffers)
+        tcfg, dcfg = config.train, config.dist
+        self.scaler = None if tcfg.precision != "fp16" else LossScaler(
+            2.0**16 if tcfg.loss_scale == "dynamic" else tcfg.loss_scale,
+            dynamic=tcfg.loss_scale == "dynamic", max_skipped_steps=dcfg.max_skipped_steps)
+        wanted = (dcfg.nonfinite != "ignore" or tcfg.clip_grad_norm is not None
+                  or self.scaler is not None)
+        self.guard = StepGuard(self.comm, self._param_at, mode=dcfg.nonfinite,
+                               clip=tcfg.clip_grad_norm, scaler=self.scaler,
+                               max_skipped_steps=dcfg.max_skipped_steps) if wanted else None
+        self.steps_done = 0  # optimizer steps taken
+        self.total_steps: int | None = None  # for the schedule; fit() sets it
 
     def _param_at(self, offset: int) -> str:
         """Return the name of the parameter at flat ``offset`` (``i.Layer.name``)."""
@@ -129,43 +150,112 @@ class Trainer:
     def _make_stage(self, stage_cls: type[ZeroStage]) -> ZeroStage:
         dcfg, tcfg = self.config.dist, self.config.train
         dtype = np.dtype(tcfg.dtype)
-        cap = max(1, int(dcfg.bucket_size_mb * 2**20) // dtype.itemsize)
+        self.work_dtype = working_dtype(tcfg.precision, dtype)
+        cap = max(1, int(dcfg.bucket_size_mb * 2**20) // self.work_dtype.itemsize)
         size = stage_cls.bucket_numel(cap, sum(self.model.layer_numels()), self.overlap)
-        flat = FlatModel(self.model, size, self.context.size, self.xp, dtype)
+        flat = FlatModel(self.model, size, self.context.size, self.xp, self.work_dtype,
+                         master_dtype=dtype)
+        self._one_model(flat)
         hyper = {k: getattr(tcfg, k) for k in OPTIMIZER_KEYS[tcfg.optimizer]}
 
         def new_optimizer(numel: int) -> Any:
             return make_optimizer(tcfg.optimizer, numel, xp=self.xp, dtype=dtype, **hyper)
 
-        return stage_cls(flat, self.comm, new_optimizer, overlap=self.overlap)
+        return stage_cls(flat, self.comm, new_optimizer, overlap=self.overlap,
+                         accumulate=tcfg.grad_accum_steps)
+
+    def _one_model(self, flat: FlatModel) -> None:
+        """Give every rank rank 0's parameters and buffers, as DDP and DeepSpeed do on wrapping.
+
+        A per-rank seed (the commonest slip in a hand-written MPI script) would otherwise train
+        a different replica on each rank, and ZeRO would stitch shards of different models.
+        """
+        broadcast_model(flat, self.comm, self.context.root_rank)
+        buffers = [getattr(layer, name) for layer in self.model.layers
+                   for name in layer.buffer_names]
+        if buffers:
+            self.comm.broadcast(buffers, self.context.root_rank, out=buffers)
 
     def train_step(self, x: Any, y: Any, where: str | None = None) -> Any:
-        """Run forward, backward (buckets reduced as they fill) and the update; return the loss.
+        """Run one optimizer step on this rank's part of a global batch; return its mean loss.
 
-        Raises NonFiniteError on every rank when the loss or the gradients were not finite
-        (``meta_dist_config.nonfinite: stop``); ``where`` names the step in that message.
+        The part is split into ``grad_accum_steps`` micro-batches: forward and backward for
+        each (their gradients add up; buckets are reduced once, with the last), then one
+        update. Under fp16 the loss gradient is multiplied by the loss scale and the update
+        divides it out again.
+
+        Raises:
+            NonFiniteError: on every rank when the loss or the gradients were not finite
+                (``meta_dist_config.nonfinite: stop``); ``where`` names the step.
+            ValueError: the part does not split into the micro-batches.
         """
-        output = self.model.forward(x)
-        loss, dout = self.loss_fn(output, y)
-        self.model.backward(dout)
-        self.steps_done += 1
+        k = self.config.train.grad_accum_steps
+        if len(x) % k:
+            raise ValueError(f"train_step: this rank's batch of {len(x)} does not split into "
+                             f"{k} micro-batches (grad_accum_steps); expected a multiple of {k}")
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        self._schedule()
+        total, n = self.xp.zeros((), np.float64), len(x) // k
+        # the guard reports non-finite numbers itself (fp16 overflows are routine): no warnings
+        quiet = np.errstate(over="ignore", invalid="ignore") if self.guard else nullcontext()
+        with quiet:
+            self._micro_batches(x, y, k, n, scale, total)
+        loss = total / k
         if self.guard is not None:
             self.guard.watch(loss)
-        self.stage.step(self.guard)
+        self.stage.step(self.guard, grad_scale=1.0 / (scale * k))
+        self.steps_done += 1
         if self.guard is not None:
             self.guard.settle(where or f"step {self.steps_done}")
         return loss
 
+    def _micro_batches(self, x: Any, y: Any, k: int, n: int, scale: float, total: Any) -> None:
+        """Forward and backward for each of ``k`` micro-batches of ``n``; add the losses up."""
+        for i in range(k):
+            self.stage.begin_micro(i)
+            inputs = x[i * n : (i + 1) * n]
+            if inputs.dtype.kind == "f" and inputs.dtype != self.work_dtype:
+                inputs = inputs.astype(self.work_dtype)  # the layers compute in the precision
+            loss, dout = self.loss_fn(self.model.forward(inputs), y[i * n : (i + 1) * n])
+            if scale != 1.0:
+                dout = dout * dout.dtype.type(scale)
+            self.model.backward(dout)
+            self.stage.end_micro()
+            total += loss
+
+    def _schedule(self) -> None:
+        """Set the optimizer's learning rate for the step about to be taken."""
+        tcfg = self.config.train
+        if tcfg.lr_schedule == "constant" and tcfg.warmup_steps == 0:
+            return
+        if self.total_steps is None:
+            raise RuntimeError(f"train_step: lr_schedule {tcfg.lr_schedule!r} with warmup "
+                               f"{tcfg.warmup_steps} needs the run's length; set "
+                               "trainer.total_steps (fit() does) before the first step")
+        self.stage.optimizer.lr = learning_rate(tcfg.lr_schedule, tcfg.lr, self.steps_done,
+                                                self.total_steps, tcfg.warmup_steps)
+
     def fit(self, x: np.ndarray, y: np.ndarray) -> list[float]:
         """Train for ``n_epoch`` epochs on host arrays (x, y); return the mean loss per epoch.
 
-        Each rank takes its part of every global batch; the epoch loss is averaged over all
-        ranks and steps with one small allreduce per epoch.
+        Each rank takes its part of every global batch; the epoch loss (the mean over steps
+        and micro-batches) is averaged over all ranks with one small allreduce per epoch.
+
+        Raises:
+            ValueError: the warmup is longer than the run.
         """
         tcfg = self.config.train
         sampler = DistributedSampler(len(x), tcfg.batch_size, self.context.rank,
                                      self.context.size, seed=self.config.dist.seed,
                                      max_steps=tcfg.n_mini_batch)
+        self.total_steps = tcfg.n_epoch * sampler.steps_per_epoch
+        if tcfg.warmup_steps > self.total_steps:
+            where = self.config.sources.get("train_config.warmup_steps", "code")
+            raise ValueError(
+                f"fit: train_config.warmup_steps is longer than the run (set in {where}); got "
+                f"warmup_steps={tcfg.warmup_steps}, expected at most {self.total_steps} "
+                f"({tcfg.n_epoch} epochs x {sampler.steps_per_epoch} steps); shorten the "
+                "warmup or train longer")
         self.model.train()
         history = []
         for epoch in range(tcfg.n_epoch):
@@ -179,8 +269,11 @@ class Trainer:
             self.comm.verify_calls()  # with META_DIST_CHECK=0, the epoch's calls compared here
             history.append(float(mean[0]))
             seconds = time.perf_counter() - start
+            skipped = self.guard.skipped if self.guard is not None else 0
             self._print(f"epoch {epoch + 1}/{tcfg.n_epoch}  loss {history[-1]:.4f}  "
-                        f"{sampler.steps_per_epoch * tcfg.batch_size / seconds:,.0f} samples/s")
+                        f"{sampler.steps_per_epoch * tcfg.batch_size / seconds:,.0f} samples/s"
+                        + (f"  skipped steps {skipped}" if skipped else "")
+                        + (f"  loss scale {self.scaler.scale:g}" if self.scaler else ""))
         return history
 
     def _progress(self, epoch: int, step: int, sampler: DistributedSampler, start: float,

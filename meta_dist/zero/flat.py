@@ -25,11 +25,14 @@ class FlatModel:
         bucket_numel: elements per bucket (``partition.bucket_numel``).
         world: ranks the buckets are sharded over.
         xp: the array module of the buffers (numpy or cupy).
-        dtype: the buffer dtype.
+        dtype: the dtype the layers compute in (``flat_params``).
+        master_dtype: under mixed precision, the dtype of ``master``, a full copy of the
+            parameters made from the model's own values before they are rounded to ``dtype``
+            (a ZeRO stage keeps its shard of it); None when it would equal ``dtype``.
     """
 
     def __init__(self, model: Sequential, bucket_numel: int, world: int, xp: Any,
-                 dtype: Any) -> None:
+                 dtype: Any, master_dtype: Any = None) -> None:
         self.model, self.xp, self.dtype = model, xp, xp.dtype(dtype)
         layers = model.layers
         splittable = frozenset(i for i, layer in enumerate(layers)
@@ -37,11 +40,17 @@ class FlatModel:
         self.slots, self.buckets = plan(
             [[(n, p.shape) for n, p in layer.params.items()] for layer in layers],
             bucket_numel, world, splittable)
-        self.flat_params = xp.zeros(self.buckets[-1].stop, dtype)
+        mixed = master_dtype is not None and xp.dtype(master_dtype) != self.dtype
+        first = xp.zeros(self.buckets[-1].stop, master_dtype if mixed else dtype)
         for slot in self.slots:  # one at a time: the layer's own array is freed as it goes
-            view = self.view(self.flat_params, slot)
+            view = self.view(first, slot)
             view[...] = layers[slot.layer].params[slot.name]
             layers[slot.layer].params[slot.name] = view
+        self.master = first if mixed else None
+        self.flat_params = first.astype(self.dtype) if mixed else first
+        if mixed:
+            for slot in self.slots:
+                layers[slot.layer].params[slot.name] = self.view(self.flat_params, slot)
         self.layer_slots: dict[int, list[Slot]] = {}
         for slot in self.slots:
             self.layer_slots.setdefault(slot.layer, []).append(slot)

@@ -1,14 +1,19 @@
 """ZeroStage0..2: one class per ZeRO level, in order of increasing sharding.
 
 Imports meta_dist.optim and meta_dist.zero.flat (meta_dist.comm.base for type hints only).
-A stage owns the gradient buffers and the optimizer; the trainer calls ``attach`` once, runs
-forward and ``model.backward`` (the stage's hooks reduce each bucket as soon as backward has
-written all of it), then ``step()``. Gradients are averaged in exactly one place: the
-collectives' op "avg" (``Communicator._average``). The trainer never branches on the level.
+A stage owns the gradient buffers, the fp32 master copy under mixed precision, and the
+optimizer. Per optimizer step the trainer runs ``begin_micro`` and backward once per
+micro-batch (the stage's hooks handle each bucket as soon as backward has written all of it:
+accumulate it locally, or on the last micro-batch reduce it), then ``step()``. Gradients are
+averaged across ranks in exactly one place: the collectives' op "avg"
+(``Communicator._average``); over micro-batches, loss scale and clipping in one factor handed
+to the optimizer. The trainer never branches on the level.
 
-Bytes held per rank, Ψ parameters, N ranks, K optimizer bytes per parameter (Adam fp32: 8):
-level 0: 4Ψ + 4Ψ + KΨ;  level 1: 4Ψ + 4Ψ + KΨ/N;  level 2: 4Ψ + 4Ψ/N + KΨ/N + staging, at
-most the configured bucket size (two half-size buffers with overlap; none on one rank).
+Bytes held per rank, Ψ parameters, N ranks, Adam: fp32 (4Ψ params, 4Ψ grads, 8Ψ moments):
+level 0: 16Ψ;  level 1: 8Ψ + 8Ψ/N;  level 2: 4Ψ + 12Ψ/N. Mixed precision (2Ψ working params,
+2Ψ grads, 12Ψ fp32 master + moments): 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N. Plus at most one bucket of
+staging (two half-size buffers with overlap; none on one rank), and at level 2 with
+accumulation a full local gradient while the micro-batches add up.
 """
 
 from __future__ import annotations
@@ -31,14 +36,18 @@ class ZeroStage:
     """Base: a full gradient buffer, each bucket reduced once backward has written all of it.
 
     Backward writes gradients at ever lower flat offsets (``zero.partition``), so a bucket is
-    complete as soon as backward has written below its start; its reduction then starts
-    (asynchronously with ``overlap``, else at once) while backward goes on.
+    complete as soon as backward has written below its start. On the first micro-batch levels
+    0 and 1 write straight into the gradient buffer; later micro-batches write into staging
+    buffers, each added in when its bucket is complete. On the last micro-batch a complete
+    bucket is reduced at once (asynchronously with ``overlap``) or, levels 0 and 1 without
+    overlap, all in one call in ``step``.
 
     Args:
         flat: the model bound to its flat parameter buffer.
         comm: the communicator of the data-parallel ranks.
         make_optimizer: builds an optimizer for a given number of elements.
         overlap: reduce buckets on the communication thread while backward continues.
+        accumulate: micro-batches per optimizer step.
     """
 
     level = -1
@@ -49,13 +58,19 @@ class ZeroStage:
         return bucket_numel(total, cap)
 
     def __init__(self, flat: FlatModel, comm: Communicator, make_optimizer: OptimizerFactory,
-                 overlap: bool = True) -> None:
-        self.flat, self.comm, self.overlap = flat, comm, overlap
+                 overlap: bool = True, accumulate: int = 1) -> None:
+        self.flat, self.comm, self.overlap, self.accumulate = flat, comm, overlap, accumulate
         self.rank = comm.rank
         self._pending: list[Handle] = []
-        self._next = len(flat.buckets) - 1  # the highest bucket not yet being reduced
+        self._next = len(flat.buckets) - 1  # the highest bucket not yet complete
+        self._micro, self._direct = 0, True
         self.flat_grads = self._make_grads()
-        self.optimizer = make_optimizer(sum(s.stop - s.start for s in self.owned_slices()))
+        self._make_staging()
+        owned = self.owned_slices()
+        # under mixed precision the optimizer updates an fp32 copy of what this rank owns
+        self.master = None if flat.master is None else [flat.master[s].copy() for s in owned]
+        flat.master = None  # the full fp32 copy was only needed until now
+        self.optimizer = make_optimizer(sum(s.stop - s.start for s in owned))
 
     # ------------------------------------------------------------ what differs between levels
 
@@ -64,10 +79,16 @@ class ZeroStage:
         return [slice(0, self.flat.flat_params.size)]
 
     def _make_grads(self) -> Any:
-        grads = self.flat.xp.zeros(self.flat.flat_params.size, self.flat.dtype)
-        for layer in self.flat.layer_slots:
-            self.flat.bind_grads(layer, grads)
-        return grads
+        return self.flat.xp.zeros(self.flat.flat_params.size, self.flat.dtype)
+
+    def _writes_direct(self) -> bool:
+        """Whether this micro-batch's backward writes straight into the gradient buffer."""
+        return self._micro == 0
+
+    def _fold(self, bucket: Bucket, staging: Any) -> None:
+        """Add a later micro-batch's bucket, written into ``staging``, to the gradients."""
+        grads = self.flat_grads[bucket.whole]
+        grads += staging[: bucket.padded_size]
 
     def _reduce_bucket(self, bucket: Bucket) -> Handle | None:
         """Average one bucket's gradients across ranks (allreduce, in place)."""
@@ -90,9 +111,6 @@ class ZeroStage:
     def _after_update(self) -> None:
         """Level 0: every rank updated everything; nothing to gather."""
 
-    def _before_layer(self, layer: int) -> None:
-        """Hook before a layer's backward; level 2 points its grads at a staging buffer here."""
-
     def _streams_buckets(self) -> bool:
         """Whether buckets are reduced as backward completes them, or all at once in step().
 
@@ -101,63 +119,156 @@ class ZeroStage:
         """
         return self.overlap
 
-    # ------------------------------------------------------------ the shared step
+    # ------------------------------------------------------------ one backward pass
 
     def attach(self) -> None:
         """Install the backward hooks on the model (call once)."""
         self.flat.model.before_backward = self._before_layer
         self.flat.model.after_backward = self._after_layer
+        self.begin_micro(0)
+
+    def begin_micro(self, index: int) -> None:
+        """Point the layers' grads where micro-batch ``index`` of this step writes them."""
+        self._micro, self._next = index, len(self.flat.buckets) - 1
+        self._direct = self._writes_direct()
+        for layer, buckets in self.flat.layer_buckets.items():
+            if self._direct:
+                self.flat.bind_grads(layer, self.flat_grads)
+            elif len(buckets) > 1:  # a layer across buckets writes them one block at a time
+                self.flat.bind_blocks(layer, self._block, self._written)
+
+    def _before_layer(self, layer: int) -> None:
+        buckets = self.flat.layer_buckets.get(layer)
+        if not self._direct and buckets and len(buckets) == 1:  # into that bucket's staging
+            self.flat.bind_grads(layer, self._staging_of(buckets[0]), buckets[0].start)
 
     def _after_layer(self, layer: int) -> None:
         slots = self.flat.layer_slots.get(layer)
-        if slots and self._streams_buckets():
+        if slots:
             self._written(slots[0].offset)
 
     def _written(self, offset: int) -> None:
-        """Backward has written every gradient from flat ``offset`` up: reduce what is done."""
+        """Backward has written every gradient from flat ``offset`` up: finish what is done."""
         buckets = self.flat.buckets
         while self._next >= 0 and buckets[self._next].start >= offset:
-            handle = self._reduce_bucket(buckets[self._next])
-            if handle is not None:
-                self._pending.append(handle)
+            self._complete(buckets[self._next])
             self._next -= 1
 
-    def step(self, guard: Any = None) -> None:
+    def _complete(self, bucket: Bucket) -> None:
+        if not self._direct:
+            self._fold(bucket, self._staging_of(bucket))
+            self._release(bucket)
+        if self._micro == self.accumulate - 1 and self._streams_buckets():
+            self._start_reduction(bucket)
+
+    def _start_reduction(self, bucket: Bucket) -> None:
+        handle = self._reduce_bucket(bucket)
+        if handle is not None:
+            self._pending.append(handle)
+
+    def end_micro(self) -> None:
+        """Finish a micro-batch's backward: complete any bucket it did not reach."""
+        self._written(0)
+
+    # ------------------------------------------------------------ staging for later writes
+
+    def _staging_buffers(self) -> int:
+        """How many staging buffers: none when every backward writes straight into the grads."""
+        if self.accumulate == 1:
+            return 0
+        return 2 if self.overlap and len(self.flat.buckets) > 1 else 1
+
+    def _make_staging(self) -> None:
+        """Create the staging pool (two with overlap: one fills while the other is reduced)."""
+        flat, xp = self.flat, self.flat.xp
+        count = self._staging_buffers()
+        largest = max(b.padded_size for b in flat.buckets)
+        self._staging = [xp.zeros(largest, flat.dtype) for _ in range(count)]
+        self._free = list(range(len(self._staging)))
+        self._busy: deque[tuple[Handle, int]] = deque()  # reductions reading a staging buffer
+        self._bound: dict[int, Any] = {}  # bucket index -> its staging for this backward
+        self._pads = {b.index: _padding(b, flat.slots) for b in flat.buckets}
+
+    def _staging_is_shard(self) -> bool:
+        return False
+
+    def _block(self, bucket: Bucket, slot: Slot, first: int, stop: int) -> Any:
+        begin = slot.offset + first * slot.row - bucket.start
+        return self._staging_of(bucket)[begin : begin + (stop - first) * slot.row].reshape(
+            (stop - first, *slot.shape[1:]))
+
+    def _staging_of(self, bucket: Bucket) -> Any:
+        """Return the bucket's staging buffer, taking a free one (or the next to free) first."""
+        staging = self._bound.get(bucket.index)
+        if staging is not None:
+            return staging
+        if self._staging_is_shard():  # one rank at level 2: the shard is the bucket
+            staging = self._grad_shard(bucket)
+        else:
+            if not self._free:  # every buffer in use: wait for the oldest reduction
+                handle, which = self._busy.popleft()
+                handle.wait()
+                self._free.append(which)
+            staging = self._staging[self._free.pop(0)]
+        for lo, hi in self._pads[bucket.index]:
+            staging[lo:hi] = 0  # padding has no gradients; the buffer held another bucket
+        self._bound[bucket.index] = staging
+        return staging
+
+    def _release(self, bucket: Bucket, handle: Handle | None = None) -> None:
+        """The bucket is done with its staging (once ``handle`` finishes, if one is given)."""
+        staging = self._bound.pop(bucket.index)
+        which = next((i for i, s in enumerate(self._staging) if s is staging), None)
+        if which is not None:
+            if handle is None:
+                self._free.append(which)
+            else:
+                self._busy.append((handle, which))
+
+    # ------------------------------------------------------------ the update
+
+    def step(self, guard: Any = None, grad_scale: float = 1.0) -> None:
         """Finish the gradient reduction, update this rank's part, and share the result.
 
-        ``guard`` (a ``train.guard.FiniteGuard``) sees the reduced gradients this rank owns
-        first and may veto the update (on every rank alike).
+        Args:
+            guard: a ``train.guard.StepGuard``: sees the reduced gradients first, may veto
+                the update (on every rank alike) or shrink it (clipping).
+            grad_scale: multiplies the reduced gradients before the update (1 / (loss scale x
+                micro-batches)).
         """
+        self.end_micro()
         self._finish_reduction()
-        params = [self.flat.flat_params[s] for s in self.owned_slices()]
-        if guard is None or guard.inspect(self._shard_grads(), [b.shard(self.rank).start
-                                                              for b in self.flat.buckets]):
-            self.optimizer.step(params, self._local_grads())
+        update, scale = True, grad_scale
+        if guard is not None:
+            update, scale = guard.inspect(self._shard_grads(), [
+                b.shard(self.rank).start for b in self.flat.buckets], grad_scale)
+        if update:
+            owned = self.owned_slices()
+            params = self.master or [self.flat.flat_params[s] for s in owned]
+            self.optimizer.step(params, self._local_grads(), grad_scale=scale)
+            if self.master is not None:  # the working copy follows its master
+                for s, master in zip(owned, self.master, strict=True):
+                    self.flat.flat_params[s] = master
         self._after_update()
-
-    def broadcast_params(self, root: int = 0) -> None:
-        """Give every rank ``root``'s parameters: one in-place broadcast per bucket. Collective."""
-        params = self.flat.flat_params
-        for bucket in self.flat.buckets:
-            self.comm.broadcast(params[bucket.whole], root, out=params[bucket.whole])
+        self.begin_micro(0)
 
     def _finish_reduction(self) -> None:
-        """Reduce any bucket backward did not complete, then wait for every reduction."""
+        """Reduce what backward did not, then wait for every reduction."""
         if not self._streams_buckets():
             self.comm.allreduce(self.flat_grads, "avg", out=self.flat_grads)
-            return
-        self._written(0)
         for handle in self._pending:
             handle.wait()
         self._pending.clear()
-        self._next = len(self.flat.buckets) - 1
+        while self._busy:
+            self._free.append(self._busy.popleft()[1])  # their handles were waited for
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds: params, grads (kept between steps), optimizer state, buffers."""
-        return {"params": int(self.flat.flat_params.nbytes),
+        """Bytes this rank holds: params (working + master), grads, optimizer state, buffers."""
+        master = sum(int(m.nbytes) for m in self.master or ())
+        return {"params": int(self.flat.flat_params.nbytes) + master,
                 "grads": int(self.flat_grads.nbytes),
                 "optimizer": int(self.optimizer.state_bytes()),
-                "buffers": 0}
+                "buffers": int(sum(s.nbytes for s in self._staging))}
 
 
 class ZeroStage0(ZeroStage):
@@ -197,7 +308,8 @@ class ZeroStage2(ZeroStage1):
     (averaged) into this rank's grad shard, and the buffer takes the next bucket. With overlap
     two staging buffers alternate and buckets are planned at half the configured size, so the
     staging is at most the configured size; on one rank the shard is the whole bucket and
-    backward writes straight into it.
+    backward writes straight into it. With accumulation the micro-batches add up in a full
+    local gradient (reducing once per step, as DDP's no_sync), reduced with the last one.
     Memory: grads ≈ 1/N of level 0's plus the staging; optimizer state ≈ 1/N.
     """
 
@@ -218,23 +330,21 @@ class ZeroStage2(ZeroStage1):
         for bucket in flat.buckets:
             self._shard_start[bucket.index] = offset
             offset += bucket.shard_size
-        grads = xp.zeros(offset, flat.dtype)  # this rank's shard of every bucket, end to end
-        count = 2 if self.overlap and len(flat.buckets) > 1 else 1
-        largest = max(b.padded_size for b in flat.buckets)
-        self._staging = [] if self.comm.size == 1 else [
-            xp.zeros(largest, flat.dtype) for _ in range(count)]
-        self._free = list(range(len(self._staging)))
-        self._busy: deque[tuple[Handle, int]] = deque()  # reductions reading a staging buffer
-        self._bound: dict[int, Any] = {}  # bucket index -> its staging for this backward
-        self._pads = {b.index: _padding(b, flat.slots) for b in flat.buckets}
-        for layer, buckets in flat.layer_buckets.items():
-            if len(buckets) > 1:  # a layer across buckets writes them one block at a time
-                flat.bind_blocks(layer, self._block, self._written)
-        return grads
+        # a full local gradient only while micro-batches add up (none without accumulation)
+        self._local = (xp.zeros(flat.flat_params.size, flat.dtype) if self.accumulate > 1
+                       else None)
+        return xp.zeros(offset, flat.dtype)  # this rank's shard of every bucket, end to end
 
-    def _streams_buckets(self) -> bool:
-        """See ``ZeroStage._streams_buckets``: always, the staging is reused."""
-        return True
+    def _staging_buffers(self) -> int:
+        if self._staging_is_shard():
+            return 0
+        return 2 if self.overlap and len(self.flat.buckets) > 1 else 1
+
+    def _staging_is_shard(self) -> bool:
+        return self.comm.size == 1 and self.accumulate == 1
+
+    def _writes_direct(self) -> bool:
+        return False  # always through staging (or, on one rank, into the shard itself)
 
     def _grad_shard(self, bucket: Bucket) -> Any:
         start = self._shard_start[bucket.index]
@@ -245,63 +355,51 @@ class ZeroStage2(ZeroStage1):
 
     _shard_grads = _local_grads
 
-    def _before_layer(self, layer: int) -> None:
-        buckets = self.flat.layer_buckets.get(layer)
-        if buckets and len(buckets) == 1:  # the layer's grads go straight into the staging
-            self.flat.bind_grads(layer, self._staging_of(buckets[0]), buckets[0].start)
+    def _streams_buckets(self) -> bool:
+        """See ``ZeroStage._streams_buckets``: always, the staging is reused."""
+        return True
 
-    def _block(self, bucket: Bucket, slot: Slot, first: int, stop: int) -> Any:
-        begin = slot.offset + first * slot.row - bucket.start
-        return self._staging_of(bucket)[begin : begin + (stop - first) * slot.row].reshape(
-            (stop - first, *slot.shape[1:]))
-
-    def _staging_of(self, bucket: Bucket) -> Any:
-        """Return the bucket's staging buffer, taking a free one (or the next to free) first."""
-        staging = self._bound.get(bucket.index)
-        if staging is not None:
-            return staging
-        if not self._staging:  # one rank: the shard is the bucket
-            staging = self._grad_shard(bucket)
+    def _complete(self, bucket: Bucket) -> None:
+        staging = self._staging_of(bucket)[: bucket.padded_size]
+        last = self._micro == self.accumulate - 1
+        if self._local is not None:  # micro-batches add up in the local gradient
+            local = self._local[bucket.whole]
+            if self._micro == 0:
+                local[...] = staging
+            elif last:
+                staging += local
+            else:
+                local += staging
+        if not last:
+            self._release(bucket)
+            return
+        out = self._grad_shard(bucket)
+        if self.overlap:
+            handle = self.comm.reduce_scatter_async(staging, "avg", out=out)
+            self._pending.append(handle)
+            self._release(bucket, handle)
         else:
-            if not self._free:  # both in use: wait for the older reduction
-                handle, which = self._busy.popleft()
-                handle.wait()
-                self._free.append(which)
-            staging = self._staging[self._free.pop(0)]
-        for lo, hi in self._pads[bucket.index]:
-            staging[lo:hi] = 0  # padding has no gradients; the buffer held another bucket
-        self._bound[bucket.index] = staging
-        return staging
-
-    def _reduce_bucket(self, bucket: Bucket) -> Handle | None:
-        """Average one bucket across ranks, keeping only my shard (reduce-scatter)."""
-        reached = bucket.index in self._bound
-        staging = self._staging_of(bucket)
-        if not reached:  # backward never wrote it (step without backward): no gradient
-            staging[: bucket.padded_size] = 0
-        del self._bound[bucket.index]
-        send, out = staging[: bucket.padded_size], self._grad_shard(bucket)
-        which = next((i for i, s in enumerate(self._staging) if s is staging), None)
-        if not self.overlap:
-            self.comm.reduce_scatter(send, "avg", out=out)
-            if which is not None:
-                self._free.append(which)
-            return None
-        handle = self.comm.reduce_scatter_async(send, "avg", out=out)
-        if which is not None:
-            self._busy.append((handle, which))
-        return handle
-
-    def _finish_reduction(self) -> None:
-        super()._finish_reduction()
-        while self._busy:
-            self._free.append(self._busy.popleft()[1])  # their handles were waited for
+            self.comm.reduce_scatter(staging, "avg", out=out)
+            self._release(bucket)
 
     def memory_report(self) -> dict[str, int]:
-        """See ``ZeroStage.memory_report``; ``buffers`` are the staging buffers."""
+        """See ``ZeroStage.memory_report``; a local accumulation gradient counts as buffers."""
         report = super().memory_report()
-        report["buffers"] = int(sum(s.nbytes for s in self._staging))
+        report["buffers"] += int(self._local.nbytes) if self._local is not None else 0
         return report
+
+
+def broadcast_model(flat: FlatModel, comm: Communicator, root: int = 0) -> None:
+    """Give every rank ``root``'s parameters: one in-place broadcast per bucket. Collective.
+
+    Under mixed precision the fp32 master is broadcast, and the working copy made from it;
+    call this before a stage takes its shard of the master.
+    """
+    params = flat.flat_params if flat.master is None else flat.master
+    for bucket in flat.buckets:
+        comm.broadcast(params[bucket.whole], root, out=params[bucket.whole])
+    if flat.master is not None:
+        flat.flat_params[...] = flat.master
 
 
 def _padding(bucket: Bucket, slots: list[Slot]) -> list[tuple[int, int]]:

@@ -2,7 +2,7 @@
 
     mpirun -np 2 [--bind-to core] python scripts/distributed/bench_train.py [--levels 0,1,2]
         [--steps 30] [--warmup 5] [--blocks 5] [--overlap | --no-overlap] [--bucket-mb 25]
-        [--hidden 1024 | --big | --xl] [--nonfinite stop|skip|ignore] [--torch]
+        [--hidden 1024 | --big | --xl] [--precision fp32|fp16|bf16] [--nonfinite ...] [--torch]
 
 Workload: MLP 784 -> H -> H -> 10 with ReLU and softmax cross-entropy, synthetic data, Adam lr
 1e-3, fp32, GLOBAL batch 256 split evenly across the ranks; every run starts from the same
@@ -78,7 +78,7 @@ def meta_variant(level, args):
     """Return (step function, memory_report) for a meta_dist Trainer at ZeRO ``level``."""
     config = load_config(
         {"batch_size": GLOBAL_BATCH, "optimizer": "adam", "lr": 1e-3, "input_shape": [784],
-         "num_classes": 10, "dtype": "float32"},
+         "num_classes": 10, "dtype": "float32", "precision": args.precision},
         {"zero_opt_level": level, "overlap_comm": args.overlap, "bucket_size_mb": args.bucket_mb,
          "device": args.device, "backend": "mpi" if args.device == "cpu" else "auto",
          "seed": SEED, "nonfinite": args.nonfinite})
@@ -161,6 +161,8 @@ def parse_args():
                    help="meta_dist_config overlap_comm (reduce buckets during backward); "
                         "default: decided per run (on with a spare core or a GPU)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size (also DDP's cap)")
+    p.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="fp32",
+                   help="train_config precision (meta_dist only; torch stays fp32)")
     p.add_argument("--nonfinite", choices=("stop", "skip", "ignore"), default="stop",
                    help="meta_dist_config nonfinite (ignore: no per-step finite check)")
     size = p.add_mutually_exclusive_group()
@@ -229,8 +231,9 @@ def main():
     if rank == 0:
         params = sum(build_mlp(args.hidden, args.depth).layer_numels())
         shape = "-".join(["784"] + [str(args.hidden)] * args.depth + ["10"])
+        torch_backend = "nccl" if args.device == "cuda" else "gloo"
         print(f"# {size} ranks, MLP {shape} ({params / 1e6:.2f}M params)"
-              f", Adam, fp32, {args.device}, torch on {'nccl' if args.device == 'cuda' else 'gloo'}"
+              f", Adam, {args.precision}, {args.device}, torch on {torch_backend}"
               f", global batch {GLOBAL_BATCH} ({local}/rank), overlap_comm="
               f"{getattr(args, 'resolved_overlap', args.overlap)}, bucket {args.bucket_mb:g} MiB, "
               f"1 thread/rank; {args.steps} steps "

@@ -10,7 +10,6 @@ distribution config, the mean loss of every epoch, and the memory each rank hold
 import sys
 
 import numpy as np
-from mpi4py import MPI
 
 from meta_dist import distributed as dist
 from meta_dist.config import check_world, format_config, load_config, parse_cli
@@ -44,22 +43,30 @@ def build_cnn(input_shape, num_classes, xp, dtype, seed):
         Flatten(), Linear(6 * (height // 2) * (width // 2), num_classes, **kw))
 
 
+def fail_once(error):
+    """Print a configuration error once (rank 0), end every rank alike, and return 2."""
+    context = dist.get_context()  # every rank hit the same error: they leave together
+    if context.rank == context.root_rank:
+        print(f"dist_example: {error}", file=sys.stderr, flush=True)
+    dist.shutdown()
+    return 2
+
+
 def main(argv):
     try:
         config = load_config(train_config, meta_dist_config, *parse_cli(argv))
-        check_world(config, MPI.COMM_WORLD.Get_size())
-    except (ValueError, TypeError) as error:  # every rank sees the same error: print it once
-        if MPI.COMM_WORLD.Get_rank() == 0:
-            print(f"dist_example: {error}", file=sys.stderr)
-        return 2
+    except (ValueError, TypeError) as error:  # every rank sees the same error
+        return fail_once(error)
     dctx = dist.init(backend=config.dist.backend)
+    try:
+        check_world(config, dctx.size)
+    except (ValueError, TypeError) as error:
+        return fail_once(error)
+    hosts = dctx.connector.allgather(dctx.connector.host)
     if dctx.rank == dctx.root_rank:
-        nodes = len(set(dctx.connector.allgather(MPI.Get_processor_name())))
-        print(f"{dctx.size} rank(s) on {nodes} node(s); "
-              f"MPI: {MPI.Get_library_version().splitlines()[0]}")
+        print(f"{dctx.size} rank(s) on {len(set(hosts))} node(s); "
+              f"MPI: {dctx.connector.library_version}")
         print(format_config(config), flush=True)
-    else:
-        dctx.connector.allgather(MPI.Get_processor_name())
     tcfg = config.train
     xp = array_module_for(config, dctx)
     if tcfg.data_path:

@@ -28,7 +28,7 @@ from meta_dist.train import Trainer
 from meta_dist.train.guard import NonFiniteError
 
 STEPS = 4
-GLOBAL_BATCH = 60  # divides 1, 2, 3, 4 and 5 ranks
+GLOBAL_BATCH = 360  # splits over 1-5 ranks x 1-3 micro-batches
 
 
 def classifier(rng, dtype):  # 25 + 18 = 43 parameters: a prime, so never divisible by N
@@ -58,9 +58,10 @@ OPTIMIZERS = {"sgd": {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9},
               "adam": {"optimizer": "adam", "lr": 0.01}}
 
 
-def make_config(level, optimizer, dtype, bucket_mb=25.0, overlap=True, batch=GLOBAL_BATCH):
+def make_config(level, optimizer, dtype, bucket_mb=25.0, overlap=True, batch=GLOBAL_BATCH,
+                **train):
     return load_config(
-        {**OPTIMIZERS[optimizer], "dtype": dtype, "batch_size": batch},
+        {**OPTIMIZERS[optimizer], "dtype": dtype, "batch_size": batch, **train},
         {"zero_opt_level": level, "bucket_size_mb": bucket_mb, "overlap_comm": overlap,
          "backend": "mpi", "device": "cpu"})
 
@@ -88,12 +89,15 @@ def contexts():
     alone.close()
 
 
-def run_parity(contexts, level, optimizer, model_name, dtype, rtol, atol, **config_kw):
+def run_parity(contexts, level, optimizer, model_name, dtype, rtol, atol, reference=None,
+               **config_kw):
+    """Train on N ranks and in one process (``reference``: its train_config keys) in step."""
     world, alone = contexts
     x, y, loss_fn = data(model_name, dtype)
     dist = trainer_on(world, model_name, make_config(level, optimizer, dtype, **config_kw),
                       dtype, loss_fn)
-    ref = trainer_on(alone, model_name, make_config(0, optimizer, dtype), dtype, loss_fn)
+    ref = trainer_on(alone, model_name, make_config(0, optimizer, dtype, **(reference or {})),
+                     dtype, loss_fn)
     b, r = GLOBAL_BATCH // world.size, world.rank
     for step in range(STEPS):
         batch = slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
@@ -315,3 +319,68 @@ def test_a_nan_in_one_ranks_input(contexts, level, mode):
     assert trainer.guard.skipped == 1 and np.isnan(losses[0])
     assert all(np.isfinite(p).all() for p in trainer.model.state().values())
     assert same_on_every_rank(world.connector, trainer.stage.flat.flat_params)
+
+
+
+@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("micro", [2, 3])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_accumulated_micro_batches_equal_one_batch(contexts, level, micro, overlap):
+    """k micro-batches of b equal one batch of k*b (no batch statistics), every level, with
+    buckets small enough that later micro-batches go through staging bucket by bucket."""
+    run_parity(contexts, level, "adam", "deep", "float64", 1e-9, 1e-12, overlap=overlap,
+               bucket_mb=2e-4, grad_accum_steps=micro)
+
+
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_clipping_by_the_global_norm(contexts, level):
+    """Clipped training equals the clipped single process at every level (each gradient
+    counted once in the norm, whichever rank holds it), and the clip is active."""
+    clip = {"clip_grad_norm": 0.05}
+    dist = run_parity(contexts, level, "sgd", "deep", "float64", 1e-9, 1e-12, reference=clip,
+                      bucket_mb=2e-4, **clip)
+    assert dist.guard.norm > 0.05  # the last step's norm, before clipping: the clip bit
+    free = run_parity(contexts, level, "sgd", "deep", "float64", 1e-9, 1e-12, bucket_mb=2e-4)
+    assert not np.allclose(dist.stage.flat.flat_params, free.stage.flat.flat_params)
+
+
+def half_config(level, precision, **extra):
+    return load_config({"optimizer": "adam", "lr": 0.01, "batch_size": GLOBAL_BATCH,
+                        "precision": precision, "n_epoch": 3, "n_mini_batch": STEPS, **extra},
+                       {"zero_opt_level": level, "bucket_size_mb": 2e-4, "backend": "mpi",
+                        "device": "cpu"})
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_mixed_precision_levels_agree_and_learn(contexts, precision):
+    if precision == "bf16":
+        pytest.importorskip("ml_dtypes", reason="bf16 on the CPU needs ml_dtypes")
+    world, _ = contexts
+    x, y, loss_fn = data("deep", "float32")
+    history = {}
+    for level in (0, 1, 2):
+        trainer = trainer_on(world, "deep", half_config(level, precision), "float32", loss_fn)
+        assert trainer.stage.flat.flat_params.dtype.itemsize == 2
+        assert all(m.dtype == np.float32 for m in trainer.stage.master)
+        history[level] = trainer.fit(x, y)
+        assert same_on_every_rank(world.connector, trainer.stage.flat.flat_params)
+    assert history[0][-1] < history[0][0]  # it learns
+    for level in (1, 2):
+        np.testing.assert_allclose(history[level], history[0], rtol=2e-2)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fp16_overflow_skips_the_same_step_on_every_rank(contexts):
+    """A huge input row on the last rank overflows fp16 there only: every rank skips that
+    step, the loss scale halves everywhere, and training goes on with finite weights."""
+    world, _ = contexts
+    x, y, loss_fn = data("deep", "float32")
+    x = x.copy()
+    order = np.random.default_rng([0, 0]).permutation(len(x))
+    x[order[GLOBAL_BATCH + (world.size - 1) * (GLOBAL_BATCH // world.size)]] = 6e4
+    trainer = trainer_on(world, "deep", half_config(1, "fp16", n_epoch=1), "float32", loss_fn)
+    scale = trainer.scaler.scale
+    trainer.fit(x, y)
+    assert trainer.guard.skipped == 1 and trainer.scaler.scale == scale / 2
+    assert same_on_every_rank(world.connector, np.array([trainer.scaler.scale]))
+    assert np.isfinite(trainer.stage.flat.flat_params.astype(np.float32)).all()

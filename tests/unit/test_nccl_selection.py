@@ -72,8 +72,8 @@ def test_tables_name_what_cupy_has():
     if not nccl.available:
         pytest.skip("cupy.cuda.nccl could not load libnccl.so.2")
     nccl_h = {"NCCL_UINT8": 1, "NCCL_INT32": 2, "NCCL_INT64": 4, "NCCL_FLOAT16": 6,
-              "NCCL_FLOAT32": 7, "NCCL_FLOAT64": 8, "NCCL_SUM": 0, "NCCL_PROD": 1,
-              "NCCL_MAX": 2, "NCCL_MIN": 3}
+              "NCCL_FLOAT32": 7, "NCCL_FLOAT64": 8, "NCCL_BFLOAT16": 9, "NCCL_SUM": 0,
+              "NCCL_PROD": 1, "NCCL_MAX": 2, "NCCL_MIN": 3}
     for name in (*NCCL_DTYPE_NAMES.values(), *NCCL_OP_NAMES.values()):
         assert getattr(nccl, name) == nccl_h[name], name
 
