@@ -148,6 +148,10 @@ class TrainConfig(_Validated):
         clip_grad_norm: Clip the gradients to this global L2 norm (null: no clipping).
         lr_schedule: ``constant`` or ``cosine`` (decay to 0 at the last step).
         warmup_steps: Optimizer steps of linear warmup first.
+        checkpoint_dir: Where checkpoints are written (null: none).
+        checkpoint_every: Optimizer steps between checkpoints; 0 saves at each epoch's end.
+        keep_last: Complete checkpoints kept (older ones are removed after a save).
+        resume_from: ``latest`` (the newest in checkpoint_dir), a checkpoint's path, or null.
     """
 
     n_epoch: int = _rule(3, ">= 1", lambda v: v >= 1)
@@ -177,6 +181,10 @@ class TrainConfig(_Validated):
     clip_grad_norm: float | None = _rule(None, "null or > 0", lambda v: v is None or v > 0)
     lr_schedule: str = _choice("constant", "cosine")
     warmup_steps: int = _rule(0, ">= 0", lambda v: v >= 0)
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = _rule(0, ">= 0", lambda v: v >= 0)
+    keep_last: int = _rule(2, ">= 1", lambda v: v >= 1)
+    resume_from: str | None = None
 
     @staticmethod
     def _check_together(values: dict[str, Any], where: Callable[..., str]) -> None:
@@ -192,6 +200,11 @@ class TrainConfig(_Validated):
                 f"loss_scale={values['loss_scale']!r} with precision={values['precision']!r}, "
                 "expected precision fp16 or loss_scale dynamic (the default, unused outside "
                 "fp16)")
+        if values["resume_from"] == "latest" and values["checkpoint_dir"] is None:
+            raise ValueError(
+                f"{where('resume_from', 'checkpoint_dir')}: {TRAIN}.resume_from 'latest' needs "
+                f"{TRAIN}.checkpoint_dir; got checkpoint_dir=None, expected the directory to "
+                "look in; set checkpoint_dir, or resume_from: a checkpoint's path")
         if values["optimizer"] == "sgd" and values["nesterov"] and values["momentum"] == 0:
             raise ValueError(
                 f"{where('nesterov', 'momentum')}: {TRAIN}.nesterov needs {TRAIN}.momentum; got "

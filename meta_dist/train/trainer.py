@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from meta_dist import checkpoint
 from meta_dist import distributed as dist
 from meta_dist.config import Config, check_same_everywhere, check_world
 from meta_dist.nn.losses import softmax_cross_entropy
@@ -138,13 +139,13 @@ class Trainer:
                                max_skipped_steps=dcfg.max_skipped_steps) if wanted else None
         self.steps_done = 0  # optimizer steps taken
         self.total_steps: int | None = None  # for the schedule; fit() sets it
+        self.position = (0, 0)  # (epoch, steps done in it): where a checkpoint resumes
 
     def _param_at(self, offset: int) -> str:
         """Return the name of the parameter at flat ``offset`` (``i.Layer.name``)."""
         for slot in self.stage.flat.slots:
             if slot.offset <= offset < slot.offset + slot.numel:
-                layer = self.model.layers[slot.layer]
-                return f"{slot.layer}.{type(layer).__name__}.{slot.name}"
+                return self._name(slot)
         return "padding"
 
     def _make_stage(self, stage_cls: type[ZeroStage]) -> ZeroStage:
@@ -240,9 +241,13 @@ class Trainer:
 
         Each rank takes its part of every global batch; the epoch loss (the mean over steps
         and micro-batches) is averaged over all ranks with one small allreduce per epoch.
+        With ``resume_from`` the run continues where the checkpoint left off (the very next
+        batch), and returns the losses of the epochs it ran; with ``checkpoint_dir`` it saves
+        every ``checkpoint_every`` steps (0: at each epoch's end).
 
         Raises:
             ValueError: the warmup is longer than the run.
+            CheckpointError: the checkpoint to resume from cannot be used.
         """
         tcfg = self.config.train
         sampler = DistributedSampler(len(x), tcfg.batch_size, self.context.rank,
@@ -256,33 +261,142 @@ class Trainer:
                 f"warmup_steps={tcfg.warmup_steps}, expected at most {self.total_steps} "
                 f"({tcfg.n_epoch} epochs x {sampler.steps_per_epoch} steps); shorten the "
                 "warmup or train longer")
+        first_epoch, skip = 0, 0
+        if tcfg.resume_from is not None:
+            path = tcfg.checkpoint_dir if tcfg.resume_from == "latest" else tcfg.resume_from
+            first_epoch, skip = self.load_checkpoint(path)
+            if skip >= sampler.steps_per_epoch:  # saved at an epoch's end: the next one
+                first_epoch, skip = first_epoch + 1, 0
         self.model.train()
         history = []
-        for epoch in range(tcfg.n_epoch):
-            start, total = time.perf_counter(), self.xp.zeros((), np.float64)
+        for epoch in range(first_epoch, tcfg.n_epoch):
+            start, total, ran = time.perf_counter(), self.xp.zeros((), np.float64), 0
             for step, index in enumerate(sampler.epoch(epoch), 1):
+                if epoch == first_epoch and step <= skip:
+                    continue  # done before the checkpoint: the same batches, in order
                 total += self.train_step(self.xp.asarray(x[index]), self.xp.asarray(y[index]),
                                          f"epoch {epoch + 1} step {step}")
+                ran += 1
+                self.position = (epoch, step)
                 if step % tcfg.log_every == 0:
-                    self._progress(epoch, step, sampler, start, total)
-            mean = self.comm.allreduce(total.reshape(1) / sampler.steps_per_epoch, "avg")
+                    self._progress(epoch, step, ran, sampler, start, total)
+                if tcfg.checkpoint_dir and tcfg.checkpoint_every and (
+                        self.steps_done % tcfg.checkpoint_every == 0):
+                    self.save_checkpoint(tcfg.checkpoint_dir)
+            mean = self.comm.allreduce(total.reshape(1) / max(ran, 1), "avg")
             self.comm.verify_calls()  # with META_DIST_CHECK=0, the epoch's calls compared here
             history.append(float(mean[0]))
             seconds = time.perf_counter() - start
             skipped = self.guard.skipped if self.guard is not None else 0
             self._print(f"epoch {epoch + 1}/{tcfg.n_epoch}  loss {history[-1]:.4f}  "
-                        f"{sampler.steps_per_epoch * tcfg.batch_size / seconds:,.0f} samples/s"
+                        f"{ran * tcfg.batch_size / seconds:,.0f} samples/s"
                         + (f"  skipped steps {skipped}" if skipped else "")
                         + (f"  loss scale {self.scaler.scale:g}" if self.scaler else ""))
+            if tcfg.checkpoint_dir and not tcfg.checkpoint_every:
+                self.save_checkpoint(tcfg.checkpoint_dir)
         return history
 
-    def _progress(self, epoch: int, step: int, sampler: DistributedSampler, start: float,
-                  total: Any) -> None:
+    # ------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, path: str | Path) -> Path:
+        """Write a checkpoint of this step into directory ``path``; return it. Collective.
+
+        Every rank writes its shard at once; the checkpoint appears (``step-N``) only when
+        all have, and ``latest`` then names it. See ``meta_dist.checkpoint``.
+        """
+        root = Path(path)
+        tmp = root / f"{checkpoint.TMP_PREFIX}{self.steps_done:08d}"
+        sums = checkpoint.save_shard(tmp, self.context.rank, self.stage.export_shard())
+        everyone = self.context.connector.allgather((sums, self.stage.shard_ranges()))
+        final = root / checkpoint.step_name(self.steps_done)
+        if self.context.rank == self.context.root_rank:
+            checkpoint.commit(tmp, self._manifest(everyone), self.config.train.keep_last)
+        self.context.connector.barrier()  # nobody goes on before the checkpoint exists
+        return final
+
+    def _manifest(self, everyone: list[tuple[dict[str, str], list[tuple[int, int]]]]) -> dict:
+        opt = self.stage.optimizer
+        epoch, step = self.position
+        return {
+            "format": checkpoint.FORMAT, "step": self.steps_done, "epoch": epoch,
+            "epoch_step": step, "world_size": self.context.size,
+            "zero_opt_level": self.config.dist.zero_opt_level,
+            "precision": self.config.train.precision,
+            "params": [{"name": self._name(slot), "shape": list(slot.shape),
+                        "dtype": str(np.dtype(self.config.train.dtype)), "offset": slot.offset,
+                        "numel": slot.numel} for slot in self.stage.flat.slots],
+            "shards": [ranges for _, ranges in everyone],
+            "optimizer": {"name": opt.name, "hyperparameters": _plain(opt.hyperparameters),
+                          "step_count": opt.step_count, "state": sorted(opt.state)},
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "schedule": {"steps_done": self.steps_done, "total_steps": self.total_steps},
+            "config": self.config.as_dicts(),
+            "checksums": {name: digest for sums, _ in everyone for name, digest in sums.items()},
+        }
+
+    def load_checkpoint(self, path: str | Path) -> tuple[int, int]:
+        """Continue from a checkpoint (or a checkpoint_dir's latest); return (epoch, step).
+
+        Any world size, ZeRO level and bucket size may resume any checkpoint: elements are
+        matched by parameter name. Every rank checks what it reads first, and all raise the
+        same CheckpointError (naming the file and what differs) before any value changes.
+        Collective.
+        """
+        problem, reader = None, None
+        try:
+            reader = checkpoint.Reader(path)
+            checkpoint.check_same_model(reader, {self._name(s): s.shape
+                                                 for s in self.stage.flat.slots})
+            saved = reader.manifest["optimizer"]
+            if saved["name"] != self.stage.optimizer.name or set(saved["state"]) != set(
+                    self.stage.optimizer.state):
+                raise checkpoint.CheckpointError(
+                    f"checkpoint: {reader.path} was saved with optimizer {saved['name']} "
+                    f"(state {', '.join(saved['state']) or 'none'}); this run uses "
+                    f"{self.stage.optimizer.name} (state "
+                    f"{', '.join(sorted(self.stage.optimizer.state)) or 'none'}); expected the "
+                    "same optimizer: set optimizer (and momentum) as the saved run did")
+            for what in ("params", *saved["state"]):  # open (and check) every file first
+                for rank in range(len(reader.manifest["shards"])):
+                    reader._file(rank, what)
+        except checkpoint.CheckpointError as error:
+            problem = str(error)
+        problems = [p for p in self.context.connector.allgather(problem) if p]
+        if problems:
+            raise checkpoint.CheckpointError(problems[0])
+        names = {s: self._name(s) for s in self.stage.flat.slots}
+        self.stage.import_values(reader.read, names.__getitem__)
+        m = reader.manifest
+        self.stage.optimizer.step_count = m["optimizer"]["step_count"]
+        if self.scaler is not None and m["scaler"] is not None:
+            self.scaler.load_state_dict(m["scaler"])
+        self.steps_done = m["step"]
+        self.position = (m["epoch"], m["epoch_step"])
+        self._report_resume(reader)
+        return m["epoch"], m["epoch_step"]
+
+    def _report_resume(self, reader: checkpoint.Reader) -> None:
+        m = reader.manifest
+        mine = self.config.as_dicts()
+        changed = [f"{section}.{key}: {m['config'][section].get(key)!r} -> {value!r}"
+                   for section, values in mine.items() for key, value in values.items()
+                   if m["config"].get(section, {}).get(key) != value and key != "resume_from"]
+        if m["world_size"] != self.context.size:
+            changed.append(f"world size: {m['world_size']} -> {self.context.size}")
+        self._print(f"resumed from {reader.path} at epoch {m['epoch'] + 1} step "
+                    f"{m['epoch_step']}" + (f" (changed: {'; '.join(changed)})" if changed else ""))
+
+    def _name(self, slot: Any) -> str:
+        return f"{slot.layer}.{type(self.model.layers[slot.layer]).__name__}.{slot.name}"
+
+    def _progress(self, epoch: int, step: int, ran: int, sampler: DistributedSampler,
+                  start: float, total: Any) -> None:
+        """Print the running loss of the ``ran`` steps this epoch has taken (rank 0)."""
         if self.log is None or step == sampler.steps_per_epoch:
             return  # the epoch line follows at once
-        rate = step * sampler.batch_size / (time.perf_counter() - start)
+        rate = ran * sampler.batch_size / (time.perf_counter() - start)
         self._print(f"  epoch {epoch + 1} step {step}/{sampler.steps_per_epoch}  "
-                    f"loss {float(total) / step:.4f} (rank 0)  {rate:,.0f} samples/s")
+                    f"loss {float(total) / ran:.4f} (rank 0)  {rate:,.0f} samples/s")
 
     def _print(self, line: str) -> None:
         if self.log is not None:
@@ -312,3 +426,8 @@ def resident_peak() -> int:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _plain(values: dict[str, Any]) -> dict[str, Any]:
+    """Return hyperparameters as JSON can hold them (tuples as lists)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}

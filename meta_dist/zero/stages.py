@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from meta_dist.optim import Optimizer
+from meta_dist.xp import to_numpy
 from meta_dist.zero.flat import FlatModel
 from meta_dist.zero.partition import Bucket, Slot, bucket_numel
 
@@ -261,6 +262,80 @@ class ZeroStage:
         self._pending.clear()
         while self._busy:
             self._free.append(self._busy.popleft()[1])  # their handles were waited for
+
+    # ------------------------------------------------------------ checkpoints
+
+    def shard_ranges(self) -> list[tuple[int, int]]:
+        """This rank's shard of every bucket as flat ranges: what it writes to a checkpoint."""
+        return [(b.shard(self.rank).start, b.shard(self.rank).stop) for b in self.flat.buckets]
+
+    def export_shard(self) -> dict[str, list[Any]]:
+        """Return this rank's shard of the fp32 parameters and of every optimizer state array.
+
+        Each a list of host pieces (views where the data already is on the host), the rank's
+        shard of every bucket end to end (``shard_ranges``).
+        """
+        owned = self.master or [self.flat.flat_params[s] for s in self.owned_slices()]
+        out = {"params": self._shard_pieces(owned)}
+        for key, state in self.optimizer.state.items():
+            out[key] = self._shard_pieces([state])
+        return out
+
+    def _shard_pieces(self, owned: list[Any]) -> list[Any]:
+        """Cut the shard ranges out of arrays laid out like ``owned_slices``."""
+        bounds, at = [], 0
+        for a in owned:
+            bounds.append((at, a.reshape(-1)))
+            at += a.size
+        pieces = []
+        for start, stop in self.shard_ranges():
+            first = self._owned_at(start)
+            for base, flat in bounds:  # a shard lies in one owned array (or one full one)
+                if base <= first < base + flat.size:
+                    pieces.append(to_numpy(flat[first - base : first - base + stop - start]))
+                    break
+        return pieces
+
+    def _owned_at(self, offset: int) -> int:
+        """Return where flat ``offset`` (inside an owned slice) lies in the owned layout."""
+        at = 0
+        for s in self.owned_slices():
+            if s.start <= offset < s.stop:
+                return at + offset - s.start
+            at += s.stop - s.start
+        raise ValueError(f"_owned_at: offset {offset} is not in this rank's owned slices")
+
+    def import_values(self, read: Callable[[str, str, int, int], Any],
+                      name_of: Callable[[Slot], str]) -> None:
+        """Fill the parameters and the optimizer state from a checkpoint, element by element.
+
+        Args:
+            read: ``read(what, name, first, stop)`` returns elements of a parameter's values
+                ("params") or optimizer state (its key) from the checkpoint.
+            name_of: the checkpoint's name of a slot's parameter.
+        """
+        xp, flat = self.flat.xp, self.flat
+        for slot in flat.slots:  # every rank holds the whole working copy
+            flat.view(flat.flat_params, slot)[...] = xp.asarray(
+                read("params", name_of(slot), 0, slot.numel).reshape(slot.shape))
+        targets = {"params": self.master} if self.master is not None else {}
+        targets.update({key: [state] for key, state in self.optimizer.state.items()})
+        for what, arrays in targets.items():
+            owned = xp.concatenate([a.reshape(-1) for a in arrays]) if len(arrays) > 1 \
+                else arrays[0].reshape(-1)
+            at = 0
+            for s in self.owned_slices():
+                for slot in flat.slots:
+                    lo, hi = max(s.start, slot.offset), min(s.stop, slot.offset + slot.numel)
+                    if lo < hi:
+                        owned[at + lo - s.start : at + hi - s.start] = xp.asarray(read(
+                            what, name_of(slot), lo - slot.offset, hi - slot.offset))
+                at += s.stop - s.start
+            if len(arrays) > 1:  # pieces of the master: copy back
+                start = 0
+                for a in arrays:
+                    a.reshape(-1)[...] = owned[start : start + a.size]
+                    start += a.size
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds: params (working + master), grads, optimizer state, buffers."""

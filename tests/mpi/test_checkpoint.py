@@ -1,0 +1,163 @@
+"""Checkpoints inside one job: a resumed run equals the uninterrupted one bit for bit (same world
+size and level), bad checkpoints fail on every rank before anything changes, and consolidate
+writes the live model's parameters."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import same_on_every_rank
+from test_zero import deep, make_config
+
+from meta_dist import MPIConnector, checkpoint
+from meta_dist.checkpoint import CheckpointError
+from meta_dist.distributed import DistContext
+from meta_dist.nn.losses import softmax_cross_entropy
+from meta_dist.train import Trainer
+
+STEPS, BATCH = 5, 60
+
+
+@pytest.fixture(scope="module")
+def world():
+    context = DistContext(MPIConnector(abort_on_exception=False), backend="mpi")
+    yield context
+    context.close()
+
+
+@pytest.fixture
+def shared_dir(world, tmp_path):
+    """One directory every rank uses (rank 0's temporary directory)."""
+    return world.connector.broadcast(str(tmp_path))
+
+
+def data():
+    rng = np.random.default_rng(5)
+    return (rng.standard_normal((STEPS * BATCH, 4)).astype(np.float32),
+            rng.integers(0, 3, STEPS * BATCH))
+
+
+def trainer(world, level, optimizer="adam", **train):
+    config = make_config(level, optimizer, "float32", bucket_mb=2e-4, batch=BATCH,
+                         n_epoch=2, n_mini_batch=3, **train)
+    return Trainer(deep(np.random.default_rng(7), "float32"), config, context=world,
+                   loss_fn=softmax_cross_entropy, log=None)
+
+
+@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("optimizer, precision", [("adam", "fp32"), ("sgd", "fp32"),
+                                                  ("adam", "fp16")])
+def test_a_resumed_run_equals_the_uninterrupted_one(world, shared_dir, level, optimizer,
+                                                    precision):
+    """Stopped after 4 of 6 steps (mid-epoch 2) and resumed: the very next batch, the same
+    optimizer state, loss scale and schedule: bit for bit the uninterrupted parameters."""
+    x, y = data()
+    train = {"precision": precision, "lr_schedule": "cosine", "warmup_steps": 2}
+    whole = trainer(world, level, optimizer, **train)
+    whole.fit(x, y)
+    first = trainer(world, level, optimizer, checkpoint_dir=shared_dir, checkpoint_every=4,
+                    **train)
+    first.fit(x, y)  # saves after step 4, mid-epoch 2
+    resumed = trainer(world, level, optimizer, checkpoint_dir=shared_dir, resume_from="latest",
+                      **train)
+    assert resumed.stage.flat.flat_params.tobytes() != whole.stage.flat.flat_params.tobytes()
+    resumed.fit(x, y)
+    np.testing.assert_array_equal(resumed.stage.flat.flat_params, whole.stage.flat.flat_params)
+    for key in whole.stage.optimizer.state:
+        np.testing.assert_array_equal(resumed.stage.optimizer.state[key],
+                                      whole.stage.optimizer.state[key])
+    if precision == "fp16":
+        assert resumed.scaler.state_dict() == whole.scaler.state_dict()
+    assert same_on_every_rank(world.connector, resumed.stage.flat.flat_params)
+
+
+def test_resume_continues_with_the_next_batch_and_says_so(world, shared_dir):
+    x, y = data()
+    first = trainer(world, 1, checkpoint_dir=shared_dir, checkpoint_every=4)
+    first.fit(x, y)  # 2 epochs of 3 steps: saved after step 4, epoch 2 step 1
+    lines = []
+    resumed = trainer(world, 1, checkpoint_dir=shared_dir, resume_from="latest")
+    resumed.log = _Lines(lines) if world.rank == 0 else None
+    losses = resumed.fit(x, y)
+    assert len(losses) == 1 and resumed.steps_done == 6  # epoch 2's last two steps
+    if world.rank == 0:
+        assert lines[0] == (f"resumed from {shared_dir}/step-00000004 at epoch 2 step 1 "
+                            "(changed: train_config.checkpoint_every: 4 -> 0)")
+        assert lines[-1].startswith("epoch 2/2  loss ")
+
+
+def test_consolidate_writes_the_live_parameters(world, shared_dir, tmp_path):
+    x, y = data()
+    t = trainer(world, 2)
+    t.fit(x, y)
+    saved = t.save_checkpoint(shared_dir)
+    out = tmp_path / "model.npz"  # each rank its own file, read from the shared checkpoint
+    checkpoint.consolidate(shared_dir, out, optimizer=True)
+    with np.load(out) as merged:
+        live = t.model.state()
+        assert set(merged.files) >= set(live)
+        for name, value in live.items():
+            np.testing.assert_array_equal(merged[name], value)
+        assert any(f.startswith("optimizer/exp_avg/") for f in merged.files)
+    assert "step 6" in checkpoint.info(saved)
+
+
+def test_bad_checkpoints_fail_on_every_rank_before_anything_changes(world, shared_dir):
+    x, y = data()
+    t = trainer(world, 1)
+    t.fit(x, y)
+    saved = t.save_checkpoint(shared_dir)
+    world.connector.barrier()
+
+    def broken(change):
+        if world.rank == 0:
+            change()
+        world.connector.barrier()
+
+    target = trainer(world, 1)
+    before = target.stage.flat.flat_params.copy()
+
+    def refused(words, path=saved):
+        with pytest.raises(CheckpointError, match=words):
+            target.load_checkpoint(path)
+        np.testing.assert_array_equal(target.stage.flat.flat_params, before)
+
+    other = Trainer(deep(np.random.default_rng(7), "float32"), make_config(
+        1, "sgd", "float32", bucket_mb=2e-4, batch=BATCH), context=world,
+        loss_fn=softmax_cross_entropy, log=None)
+    with pytest.raises(CheckpointError, match="saved with optimizer adam .* this run uses sgd"):
+        other.load_checkpoint(saved)
+    file = checkpoint.shard_file(saved, 0, "exp_avg")
+    data_bytes = file.read_bytes()
+    world.connector.barrier()  # every rank has the original before rank 0 breaks it
+    broken(lambda: file.write_bytes(data_bytes[:-7]))
+    refused("rank00000.exp_avg.npy is not a readable .npy file .*truncated or corrupt")
+    flipped = bytearray(data_bytes)
+    flipped[-3] ^= 0x10
+    broken(lambda: file.write_bytes(bytes(flipped)))
+    refused("rank00000.exp_avg.npy does not match its checksum")
+    broken(lambda: file.write_bytes(data_bytes))
+    broken(lambda: file.unlink())
+    refused("rank00000.exp_avg.npy is missing")
+    broken(lambda: file.write_bytes(data_bytes))
+    manifest = json.loads((saved / "manifest.json").read_text())
+    manifest["params"][0]["shape"] = [9, 9]
+    original = (saved / "manifest.json").read_text()
+    broken(lambda: (saved / "manifest.json").write_text(json.dumps(manifest)))
+    refused("holds another model; shapes differ: ")
+    broken(lambda: (saved / "manifest.json").write_text(original))
+    empty = saved.parent / "empty"
+    broken(lambda: (empty / ".tmp-step-00000001").mkdir(parents=True))
+    refused("holds no complete checkpoint", empty)
+    target.load_checkpoint(saved)  # repaired: it loads
+
+
+class _Lines:
+    def __init__(self, lines):
+        self.lines = lines
+
+    def write(self, text):
+        self.lines.extend(line for line in text.splitlines() if line)
+
+    def flush(self):
+        pass
