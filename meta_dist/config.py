@@ -35,6 +35,8 @@ TRAIN = "train_config"
 DIST = "meta_dist_config"
 COMMAND_LINE = "command line"
 USAGE = "usage: <script> [--config PATH] [KEY=VALUE ...]"
+# The ZeRO levels there are (zero.STAGES has one class for each; one source for every check).
+ZERO_LEVELS = (0, 1, 2, 3)
 # Keys whose values may differ from rank to rank; every other key must agree everywhere.
 PER_RANK_KEYS: frozenset[str] = frozenset()
 
@@ -69,8 +71,8 @@ class DistConfig(_Validated):
 
     Attributes:
         enable_data_parallel: Split each global batch across ranks and average gradients.
-        zero_opt_level: 0 (plain data parallelism), 1 (optimizer state sharded) or 2 (gradients
-            sharded too). ZeRO-3 is not supported yet.
+        zero_opt_level: 0 (plain data parallelism), 1 (optimizer state sharded), 2 (gradients
+            sharded too) or 3 (parameters sharded too, gathered just in time).
         bucket_size_mb: Gradient bucket size in MiB, as PyTorch DDP's ``bucket_cap_mb``.
         overlap_comm: Reduce full buckets on a communication thread while backward continues;
             null decides per run: on with a GPU (NCCL runs on a stream of its own) or when
@@ -79,6 +81,9 @@ class DistConfig(_Validated):
         backend: ``auto``, ``mpi`` or ``nccl``.
         device: ``auto``, ``cpu`` or ``cuda``.
         seed: Seed for parameter init and data order; the same on every rank.
+        reshard_after_forward: Level 3: free each layer's gathered parameters after its forward
+            and gather them again for backward (FSDP's default); false keeps them (no second
+            allgather, the memory of a full copy of the parameters).
         nonfinite: What a non-finite loss or gradient does: ``stop`` the job on every rank
             with a message naming where (default), ``skip`` that step on every rank, or
             ``ignore`` it (no check). Under fp16 an overflow always skips the step and lowers
@@ -88,14 +93,13 @@ class DistConfig(_Validated):
     """
 
     enable_data_parallel: bool = True
-    zero_opt_level: int = _choice(
-        0, 1, 2, hints={3: "ZeRO-3 (parameter partitioning) is not supported yet; use 0, 1 or 2"}
-    )
+    zero_opt_level: int = _choice(*ZERO_LEVELS)
     bucket_size_mb: float = _rule(25.0, "> 0", lambda v: v > 0)
     overlap_comm: bool | None = None
     backend: str = _choice("auto", "mpi", "nccl")
     device: str = _choice("auto", "cpu", "cuda")
     seed: int = _rule(0, ">= 0", lambda v: v >= 0)
+    reshard_after_forward: bool = True
     nonfinite: str = _choice("stop", "skip", "ignore")
     max_skipped_steps: int = _rule(10, ">= 1", lambda v: v >= 1)
 

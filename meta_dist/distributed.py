@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from meta_dist.config import ZERO_LEVELS
 from meta_dist.xp import is_cupy_array
 
 if TYPE_CHECKING:
     from meta_dist.comm import Communicator, Handle
     from meta_dist.connector import MPIConnector
 
-ZERO_LEVELS = (0, 1, 2)
 BACKEND_CHOICES = ("auto", "mpi", "nccl")
 
 
@@ -60,14 +60,14 @@ class DistContext:
 
     @property
     def zero_opt_level(self) -> int:
-        """ZeRO level: 0 (plain data parallel), 1 (optimizer state partitioned), 2 (+ gradients)."""
+        """ZeRO level: 0 (data parallel), 1 (optimizer state), 2 (+ gradients), 3 (+ params)."""
         return self._zero_opt_level
 
     @zero_opt_level.setter
     def zero_opt_level(self, value: int) -> None:
         if isinstance(value, bool) or value not in ZERO_LEVELS:
-            hint = "; ZeRO-3 (parameter partitioning) is not supported yet" if value == 3 else ""
-            raise ValueError(f"zero_opt_level must be one of 0, 1, 2; got {value!r}{hint}")
+            raise ValueError(f"zero_opt_level must be one of "
+                             f"{', '.join(map(str, ZERO_LEVELS))}; got {value!r}")
         self._zero_opt_level = value
 
     @property

@@ -1,7 +1,8 @@
-"""Sequential: layers run in order, with hooks around each layer's backward.
+"""Sequential: layers run in order, with hooks around each layer's forward and backward.
 
 Leaf module: imports meta_dist.nn.layers only. The hooks are how ZeRO starts reducing a bucket
-of gradients while backward is still running, without the model knowing about ranks.
+of gradients while backward is still running, and (level 3) gathers a layer's parameters just
+before it runs, without the model knowing about ranks.
 """
 
 from __future__ import annotations
@@ -25,12 +26,15 @@ class Sequential:
         self.layers = list(layers)
         for i, layer in enumerate(self.layers):
             layer.input_grad = i > 0  # the data needs no gradient
+        self.before_forward: LayerHook | None = None
         self.before_backward: LayerHook | None = None
         self.after_backward: LayerHook | None = None
 
     def forward(self, x: Any) -> Any:
-        """Return the output of the last layer."""
-        for layer in self.layers:
+        """Return the output of the last layer; ``before_forward(i)``, when set, runs first."""
+        for i, layer in enumerate(self.layers):
+            if self.before_forward is not None:
+                self.before_forward(i)
             x = layer.forward(x)
         return x
 

@@ -141,6 +141,16 @@ class Trainer:
         self.total_steps: int | None = None  # for the schedule; fit() sets it
         self.position = (0, 0)  # (epoch, steps done in it): where a checkpoint resumes
 
+    def parameters(self) -> dict[str, Any]:
+        """Return {name: the parameter's current values} (``model.state()``'s names).
+
+        At level 3 the parameters are sharded: this gathers them (collective) into a new
+        array; at levels 0-2 the values are views of the live parameters.
+        """
+        full = self.stage.full_params()
+        return {self._name(slot): self.stage.flat.view(full, slot)
+                for slot in self.stage.flat.slots}
+
     def _param_at(self, offset: int) -> str:
         """Return the name of the parameter at flat ``offset`` (``i.Layer.name``)."""
         for slot in self.stage.flat.slots:
@@ -155,7 +165,7 @@ class Trainer:
         cap = max(1, int(dcfg.bucket_size_mb * 2**20) // self.work_dtype.itemsize)
         size = stage_cls.bucket_numel(cap, sum(self.model.layer_numels()), self.overlap)
         flat = FlatModel(self.model, size, self.context.size, self.xp, self.work_dtype,
-                         master_dtype=dtype)
+                         master_dtype=dtype, isolate_cut_layers=stage_cls.gathers_params)
         self._one_model(flat)
         hyper = {k: getattr(tcfg, k) for k in OPTIMIZER_KEYS[tcfg.optimizer]}
 
@@ -163,7 +173,8 @@ class Trainer:
             return make_optimizer(tcfg.optimizer, numel, xp=self.xp, dtype=dtype, **hyper)
 
         return stage_cls(flat, self.comm, new_optimizer, overlap=self.overlap,
-                         accumulate=tcfg.grad_accum_steps)
+                         accumulate=tcfg.grad_accum_steps,
+                         reshard_after_forward=dcfg.reshard_after_forward)
 
     def _one_model(self, flat: FlatModel) -> None:
         """Give every rank rank 0's parameters and buffers, as DDP and DeepSpeed do on wrapping.

@@ -29,17 +29,18 @@ class FlatModel:
         master_dtype: under mixed precision, the dtype of ``master``, a full copy of the
             parameters made from the model's own values before they are rounded to ``dtype``
             (a ZeRO stage keeps its shard of it); None when it would equal ``dtype``.
+        isolate_cut_layers: see ``partition.plan`` (ZeRO-3 asks for it).
     """
 
     def __init__(self, model: Sequential, bucket_numel: int, world: int, xp: Any,
-                 dtype: Any, master_dtype: Any = None) -> None:
+                 dtype: Any, master_dtype: Any = None, isolate_cut_layers: bool = False) -> None:
         self.model, self.xp, self.dtype = model, xp, xp.dtype(dtype)
         layers = model.layers
         splittable = frozenset(i for i, layer in enumerate(layers)
                                if getattr(layer, "grad_rows", False))
         self.slots, self.buckets = plan(
             [[(n, p.shape) for n, p in layer.params.items()] for layer in layers],
-            bucket_numel, world, splittable)
+            bucket_numel, world, splittable, isolate_cut_layers)
         mixed = master_dtype is not None and xp.dtype(master_dtype) != self.dtype
         first = xp.zeros(self.buckets[-1].stop, master_dtype if mixed else dtype)
         for slot in self.slots:  # one at a time: the layer's own array is freed as it goes

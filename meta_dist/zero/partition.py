@@ -84,7 +84,8 @@ def bucket_numel(total: int, cap: int) -> int:
 
 
 def plan(layers: list[list[tuple[str, tuple[int, ...]]]], size: int, world: int,
-         splittable: frozenset[int] = frozenset()) -> tuple[list[Slot], list[Bucket]]:
+         splittable: frozenset[int] = frozenset(),
+         isolate_cut_layers: bool = False) -> tuple[list[Slot], list[Bucket]]:
     """Lay the parameters out and cut the flat buffer into buckets of at most ``size`` elements.
 
     A layer that does not fit the rest of the open bucket starts the next one, unless it is in
@@ -97,6 +98,8 @@ def plan(layers: list[list[tuple[str, tuple[int, ...]]]], size: int, world: int,
         size: elements per bucket (``bucket_numel``).
         world: number of ranks the buckets are sharded over.
         splittable: indices of the layers that may be cut.
+        isolate_cut_layers: give a layer that is cut buckets of its own (ZeRO-3 gathers a
+            layer's buckets together: a bucket shared with the next layer would chain them).
 
     Returns:
         The parameters' slots (in flat order) and the buckets (bucket 0 at offset 0).
@@ -116,7 +119,8 @@ def plan(layers: list[list[tuple[str, tuple[int, ...]]]], size: int, world: int,
     for i, params in enumerate(layers):
         ordered = [(name, tuple(shape)) for name, shape in reversed(params)]
         cuttable = i in splittable
-        if pos - start + sum(math.prod(shape) for _, shape in ordered) > size and not cuttable:
+        fits = pos - start + sum(math.prod(shape) for _, shape in ordered) <= size
+        if not fits and (not cuttable or isolate_cut_layers):
             close()
         for name, shape in ordered:
             rows, row = (shape[0] if shape else 1), math.prod(shape[1:])
@@ -144,5 +148,7 @@ def plan(layers: list[list[tuple[str, tuple[int, ...]]]], size: int, world: int,
                 close()
             slots.append(Slot(i, name, shape, pos if offset is None else offset))
             pos += rows * row
+        if isolate_cut_layers and cuttable and not fits:
+            close()
     close()
     return slots, buckets

@@ -49,9 +49,11 @@ class ZeroStage:
         make_optimizer: builds an optimizer for a given number of elements.
         overlap: reduce buckets on the communication thread while backward continues.
         accumulate: micro-batches per optimizer step.
+        reshard_after_forward: level 3 only (see ZeroStage3).
     """
 
     level = -1
+    gathers_params = False  # level 3: forward gathers each layer's parameters
 
     @classmethod
     def bucket_numel(cls, cap: int, total: int, overlap: bool) -> int:
@@ -59,7 +61,8 @@ class ZeroStage:
         return bucket_numel(total, cap)
 
     def __init__(self, flat: FlatModel, comm: Communicator, make_optimizer: OptimizerFactory,
-                 overlap: bool = True, accumulate: int = 1) -> None:
+                 overlap: bool = True, accumulate: int = 1,
+                 reshard_after_forward: bool = True) -> None:
         self.flat, self.comm, self.overlap, self.accumulate = flat, comm, overlap, accumulate
         self.rank = comm.rank
         self._pending: list[Handle] = []
@@ -111,6 +114,18 @@ class ZeroStage:
 
     def _after_update(self) -> None:
         """Level 0: every rank updated everything; nothing to gather."""
+
+    def full_params(self) -> Any:
+        """Return the full working copy of the parameters (at levels 0-2, the buffer itself)."""
+        return self.flat.flat_params
+
+    def _owned_working(self) -> list[Any]:
+        """This rank's owned parts of the working parameters (views, in ``owned_slices``)."""
+        return [self.flat.flat_params[s] for s in self.owned_slices()]
+
+    def _owned_params(self) -> list[Any]:
+        """What the optimizer updates: the fp32 master under mixed precision, else the params."""
+        return self.master or self._owned_working()
 
     def _streams_buckets(self) -> bool:
         """Whether buckets are reduced as backward completes them, or all at once in step().
@@ -244,12 +259,10 @@ class ZeroStage:
             update, scale = guard.inspect(self._shard_grads(), [
                 b.shard(self.rank).start for b in self.flat.buckets], grad_scale)
         if update:
-            owned = self.owned_slices()
-            params = self.master or [self.flat.flat_params[s] for s in owned]
-            self.optimizer.step(params, self._local_grads(), grad_scale=scale)
+            self.optimizer.step(self._owned_params(), self._local_grads(), grad_scale=scale)
             if self.master is not None:  # the working copy follows its master
-                for s, master in zip(owned, self.master, strict=True):
-                    self.flat.flat_params[s] = master
+                for working, master in zip(self._owned_working(), self.master, strict=True):
+                    working[...] = master
         self._after_update()
         self.begin_micro(0)
 
@@ -275,8 +288,7 @@ class ZeroStage:
         Each a list of host pieces (views where the data already is on the host), the rank's
         shard of every bucket end to end (``shard_ranges``).
         """
-        owned = self.master or [self.flat.flat_params[s] for s in self.owned_slices()]
-        out = {"params": self._shard_pieces(owned)}
+        out = {"params": self._shard_pieces(self._owned_params())}
         for key, state in self.optimizer.state.items():
             out[key] = self._shard_pieces([state])
         return out
@@ -315,12 +327,16 @@ class ZeroStage:
             name_of: the checkpoint's name of a slot's parameter.
         """
         xp, flat = self.flat.xp, self.flat
-        for slot in flat.slots:  # every rank holds the whole working copy
-            flat.view(flat.flat_params, slot)[...] = xp.asarray(
-                read("params", name_of(slot), 0, slot.numel).reshape(slot.shape))
-        targets = {"params": self.master} if self.master is not None else {}
-        targets.update({key: [state] for key, state in self.optimizer.state.items()})
-        for what, arrays in targets.items():
+        if flat.flat_params is not None:  # the whole working copy, where this rank holds it
+            for slot in flat.slots:
+                flat.view(flat.flat_params, slot)[...] = xp.asarray(
+                    read("params", name_of(slot), 0, slot.numel).reshape(slot.shape))
+        targets = [(key, [state]) for key, state in self.optimizer.state.items()]
+        if self.master is not None:
+            targets.append(("params", self.master))
+        if flat.flat_params is None:  # level 3: only the owned working copy
+            targets.append(("params", self._owned_working()))
+        for what, arrays in targets:
             owned = xp.concatenate([a.reshape(-1) for a in arrays]) if len(arrays) > 1 \
                 else arrays[0].reshape(-1)
             at = 0
@@ -340,7 +356,9 @@ class ZeroStage:
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds: params (working + master), grads, optimizer state, buffers."""
         master = sum(int(m.nbytes) for m in self.master or ())
-        return {"params": int(self.flat.flat_params.nbytes) + master,
+        working = sum(int(w.nbytes) for w in self._owned_working()) \
+            if self.flat.flat_params is None else int(self.flat.flat_params.nbytes)
+        return {"params": working + master,
                 "grads": int(self.flat_grads.nbytes),
                 "optimizer": int(self.optimizer.state_bytes()),
                 "buffers": int(sum(s.nbytes for s in self._staging))}
@@ -464,6 +482,144 @@ class ZeroStage2(ZeroStage1):
         return report
 
 
+class ZeroStage3(ZeroStage2):
+    """ZeRO-3: the parameters are sharded too; each group of buckets is gathered just in time.
+
+    Between steps a rank holds only its shard of every bucket: parameters, gradients and
+    optimizer state. Forward gathers a layer's buckets (one allgather each) into a gather
+    buffer just before the layer runs, and starts gathering the next group into the other
+    buffer meanwhile (FSDP2's prefetch); backward does the same from the last layer down, then
+    reduce-scatters the gradients as level 2 does. A group is the buckets one layer spans
+    (``zero.partition`` may cut a large layer), so a gather buffer holds the largest layer.
+    With ``reshard_after_forward`` off, the gather buffer is the whole model: forward's
+    gathers stay for backward (no second allgather, level 2's memory for the parameters).
+    Memory: 16Ψ/N of model state (fp32 Adam), plus two gather buffers and the staging.
+    """
+
+    level = 3
+    gathers_params = True  # zero.partition gives a cut layer buckets of its own
+
+    def __init__(self, flat: FlatModel, comm: Communicator, make_optimizer: OptimizerFactory,
+                 overlap: bool = True, accumulate: int = 1,
+                 reshard_after_forward: bool = True) -> None:
+        super().__init__(flat, comm, make_optimizer, overlap, accumulate)
+        xp, buckets = flat.xp, flat.buckets
+        self.params_shard = xp.zeros(sum(b.shard_size for b in buckets), flat.dtype)
+        for bucket in buckets:  # keep this rank's shard of the working copy, drop the rest
+            self._param_shard(bucket)[...] = flat.flat_params[bucket.shard(self.rank)]
+        self.groups = _groups(flat)
+        self.group_of = {layer: g for g, group in enumerate(self.groups)
+                         for layer in group["layers"]}
+        self.keep = not reshard_after_forward
+        size = flat.flat_params.size if self.keep else max(
+            g["stop"] - g["start"] for g in self.groups)
+        self._gather = [xp.zeros(size, flat.dtype) for _ in range(1 if self.keep else 2)]
+        self._held: list[set[int]] = [set() for _ in self._gather]  # groups each buffer holds
+        self._arriving: dict[int, list[Handle]] = {}  # buffer -> its allgathers in flight
+        self._active: int | None = None  # the buffer the layers now read
+        flat.flat_params = None  # the full working copy is gone; layers see gather buffers
+
+    def _param_shard(self, bucket: Bucket) -> Any:
+        start = self._shard_start[bucket.index]
+        return self.params_shard[start : start + bucket.shard_size]
+
+    def _owned_working(self) -> list[Any]:
+        return [self._param_shard(b) for b in self.flat.buckets]
+
+    def _after_update(self) -> None:
+        """The shards changed: nothing gathered before the update is current any more."""
+        self._settle_gathers()
+        self._held = [set() for _ in self._gather]
+        self._active = None
+
+    def _settle_gathers(self) -> None:
+        for which in list(self._arriving):
+            for handle in self._arriving.pop(which):
+                handle.wait()
+
+    def full_params(self) -> Any:
+        """Return a new full working copy of the parameters (allgathers). Collective."""
+        full = self.flat.xp.zeros(self.flat.buckets[-1].stop, self.flat.dtype)
+        for bucket in self.flat.buckets:
+            self.comm.allgather(self._param_shard(bucket), out=full[bucket.whole])
+        return full
+
+    def attach(self) -> None:
+        """Install the backward hooks and the forward hook that gathers parameters."""
+        super().attach()
+        self.flat.model.before_forward = self._before_forward
+
+    def _before_forward(self, layer: int) -> None:
+        group = self.group_of.get(layer)
+        if group is not None:
+            self._use(group, group + 1)
+
+    def _before_layer(self, layer: int) -> None:
+        group = self.group_of.get(layer)
+        if group is not None:
+            self._use(group, group - 1)
+        super()._before_layer(layer)
+
+    def _use(self, group: int, upcoming: int) -> None:
+        """Make ``group``'s parameters the layers' (gathering them unless held); prefetch."""
+        which = self._buffer_of(group)
+        if which is None:
+            which = self._start_gather(group)
+        for handle in self._arriving.pop(which, []):
+            handle.wait()
+        self._active = which
+        base = 0 if self.keep else self.groups[group]["start"]
+        for layer in self.groups[group]["layers"]:
+            params = self.flat.model.layers[layer].params
+            for slot in self.flat.layer_slots[layer]:
+                params[slot.name] = self.flat.view(self._gather[which], slot, base)
+        if 0 <= upcoming < len(self.groups) and self._buffer_of(upcoming) is None:
+            self._start_gather(upcoming)
+
+    def _buffer_of(self, group: int) -> int | None:
+        return next((i for i, held in enumerate(self._held) if group in held), None)
+
+    def _start_gather(self, group: int) -> int:
+        """Start the allgathers of ``group`` into a buffer the layers are not reading."""
+        which = 0 if self.keep else next(i for i in range(2) if i != self._active)
+        for handle in self._arriving.pop(which, []):  # what it gathered before must land first
+            handle.wait()
+        gather = self._gather[which]
+        base = 0 if self.keep else self.groups[group]["start"]
+        handles = []
+        for bucket in self.groups[group]["buckets"]:
+            out, send = gather[bucket.start - base : bucket.stop - base], self._param_shard(bucket)
+            if self.overlap:
+                handles.append(self.comm.allgather_async(send, out=out))
+            else:
+                self.comm.allgather(send, out=out)
+        self._arriving[which] = handles
+        self._held[which] = self._held[which] | {group} if self.keep else {group}
+        return which
+
+    def memory_report(self) -> dict[str, int]:
+        """See ``ZeroStage.memory_report``; the gather buffers count as buffers."""
+        report = super().memory_report()
+        report["buffers"] += int(sum(g.nbytes for g in self._gather))
+        return report
+
+
+def _groups(flat: FlatModel) -> list[dict[str, Any]]:
+    """Group the buckets so that no layer spans two groups, in flat order (level 3's unit)."""
+    groups: list[dict[str, Any]] = []
+    for layer in sorted(flat.layer_buckets):
+        buckets = flat.layer_buckets[layer]
+        if groups and buckets[0].index <= groups[-1]["buckets"][-1].index:
+            group = groups[-1]  # shares a bucket with the group below: the same group
+            group["layers"].append(layer)
+            group["buckets"] += [b for b in buckets if b.index > group["buckets"][-1].index]
+        else:
+            groups.append({"layers": [layer], "buckets": list(buckets)})
+    for group in groups:
+        group["start"], group["stop"] = group["buckets"][0].start, group["buckets"][-1].stop
+    return groups
+
+
 def broadcast_model(flat: FlatModel, comm: Communicator, root: int = 0) -> None:
     """Give every rank ``root``'s parameters: one in-place broadcast per bucket. Collective.
 
@@ -491,4 +647,5 @@ def _padding(bucket: Bucket, slots: list[Slot]) -> list[tuple[int, int]]:
     return gaps
 
 
-STAGES: dict[int, type[ZeroStage]] = {0: ZeroStage0, 1: ZeroStage1, 2: ZeroStage2}
+STAGES: dict[int, type[ZeroStage]] = {0: ZeroStage0, 1: ZeroStage1, 2: ZeroStage2,
+                                       3: ZeroStage3}

@@ -44,7 +44,7 @@ def trainer(world, level, optimizer="adam", **train):
                    loss_fn=softmax_cross_entropy, log=None)
 
 
-@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
 @pytest.mark.parametrize("optimizer, precision", [("adam", "fp32"), ("sgd", "fp32"),
                                                   ("adam", "fp16")])
 def test_a_resumed_run_equals_the_uninterrupted_one(world, shared_dir, level, optimizer,
@@ -60,15 +60,15 @@ def test_a_resumed_run_equals_the_uninterrupted_one(world, shared_dir, level, op
     first.fit(x, y)  # saves after step 4, mid-epoch 2
     resumed = trainer(world, level, optimizer, checkpoint_dir=shared_dir, resume_from="latest",
                       **train)
-    assert resumed.stage.flat.flat_params.tobytes() != whole.stage.flat.flat_params.tobytes()
+    assert resumed.stage.full_params().tobytes() != whole.stage.full_params().tobytes()
     resumed.fit(x, y)
-    np.testing.assert_array_equal(resumed.stage.flat.flat_params, whole.stage.flat.flat_params)
+    np.testing.assert_array_equal(resumed.stage.full_params(), whole.stage.full_params())
     for key in whole.stage.optimizer.state:
         np.testing.assert_array_equal(resumed.stage.optimizer.state[key],
                                       whole.stage.optimizer.state[key])
     if precision == "fp16":
         assert resumed.scaler.state_dict() == whole.scaler.state_dict()
-    assert same_on_every_rank(world.connector, resumed.stage.flat.flat_params)
+    assert same_on_every_rank(world.connector, resumed.stage.full_params())
 
 
 def test_resume_continues_with_the_next_batch_and_says_so(world, shared_dir):
@@ -94,7 +94,7 @@ def test_consolidate_writes_the_live_parameters(world, shared_dir, tmp_path):
     out = tmp_path / "model.npz"  # each rank its own file, read from the shared checkpoint
     checkpoint.consolidate(shared_dir, out, optimizer=True)
     with np.load(out) as merged:
-        live = t.model.state()
+        live = t.parameters()
         assert set(merged.files) >= set(live)
         for name, value in live.items():
             np.testing.assert_array_equal(merged[name], value)
@@ -115,12 +115,12 @@ def test_bad_checkpoints_fail_on_every_rank_before_anything_changes(world, share
         world.connector.barrier()
 
     target = trainer(world, 1)
-    before = target.stage.flat.flat_params.copy()
+    before = target.stage.full_params().copy()
 
     def refused(words, path=saved):
         with pytest.raises(CheckpointError, match=words):
             target.load_checkpoint(path)
-        np.testing.assert_array_equal(target.stage.flat.flat_params, before)
+        np.testing.assert_array_equal(target.stage.full_params(), before)
 
     other = Trainer(deep(np.random.default_rng(7), "float32"), make_config(
         1, "sgd", "float32", bucket_mb=2e-4, batch=BATCH), context=world,

@@ -46,9 +46,9 @@ def test_context_and_module_level_collectives():
     y, z = meta_dist.allreduce([x, x[0]])
     np.testing.assert_array_equal(z, np.full(4, total))
     dctx.enable_data_parallel = True
-    dctx.zero_opt_level = 2
-    with pytest.raises(ValueError, match="ZeRO-3 .* not supported yet"):
-        dctx.zero_opt_level = 3
+    dctx.zero_opt_level = 3
+    with pytest.raises(ValueError, match="zero_opt_level must be one of 0, 1, 2, 3; got 4"):
+        dctx.zero_opt_level = 4
     with pytest.raises(TypeError, match="enable_data_parallel must be a bool"):
         dctx.enable_data_parallel = "yes"
     dist.shutdown()

@@ -104,8 +104,8 @@ def run_parity(contexts, level, optimizer, model_name, dtype, rtol, atol, refere
         ref.train_step(x[batch], y[batch])
         mine = slice(step * GLOBAL_BATCH + r * b, step * GLOBAL_BATCH + (r + 1) * b)
         dist.train_step(x[mine], y[mine])
-        assert same_on_every_rank(world.connector, dist.stage.flat.flat_params), f"step {step}"
-        for (name, got), want in zip(dist.model.state().items(), ref.model.state().values(),
+        assert same_on_every_rank(world.connector, dist.stage.full_params()), f"step {step}"
+        for (name, got), want in zip(dist.parameters().items(), ref.parameters().values(),
                                      strict=True):
             np.testing.assert_allclose(got, want, rtol=rtol, atol=atol,
                                        err_msg=f"{name} after step {step + 1}")
@@ -113,13 +113,13 @@ def run_parity(contexts, level, optimizer, model_name, dtype, rtol, atol, refere
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
 @pytest.mark.parametrize("model_name", ["classifier", "tiny_bias", "one_parameter"])
 def test_level_matches_single_process_float64(contexts, level, optimizer, model_name):
     run_parity(contexts, level, optimizer, model_name, "float64", 1e-9, 1e-12)
 
 
-@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("bucket_mb", [1e-4, 3e-4])
 def test_many_buckets_with_and_without_overlap(contexts, level, overlap, bucket_mb):
@@ -130,7 +130,7 @@ def test_many_buckets_with_and_without_overlap(contexts, level, overlap, bucket_
     assert len(dist.stage.flat.buckets) >= 2
 
 
-@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_deep_model_many_buckets(contexts, level, overlap):
     """Six layers in at least four buckets (the default size is capped at a quarter of the
@@ -139,21 +139,21 @@ def test_deep_model_many_buckets(contexts, level, overlap):
     assert len(dist.stage.flat.buckets) >= 4
 
 
-@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
 def test_level_matches_single_process_float32(contexts, level):
     run_parity(contexts, level, "adam", "classifier", "float32", 2e-5, 2e-6)
 
 
-@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
 def test_padding_stays_zero(contexts, level):
     dist = run_parity(contexts, level, "adam", "deep", "float64", 1e-9, 1e-12, bucket_mb=1e-4)
-    flat = dist.stage.flat
-    padding = np.ones(flat.flat_params.size, bool)
+    flat, params = dist.stage.flat, dist.stage.full_params()
+    padding = np.ones(params.size, bool)
     for slot in flat.slots:
         padding[slot.offset:slot.offset + slot.numel] = False
     if world_size(contexts) > 1:
         assert padding.any()  # 13-element buckets over 2-4 ranks need padding
-    assert np.all(flat.flat_params[padding] == 0), "padding changed"
+    assert np.all(params[padding] == 0), "padding changed"
 
 
 def world_size(contexts):
@@ -168,7 +168,7 @@ def test_memory_report_matches_zero_table(contexts):
     n = world.size
     x, y, loss_fn = data("deep", "float64")
     reports, padded = {}, {}
-    for level in (0, 1, 2):
+    for level in (0, 1, 2, 3):
         t = trainer_on(world, "deep", make_config(level, "adam", "float64"), "float64", loss_fn)
         t.train_step(x[:GLOBAL_BATCH // n], y[:GLOBAL_BATCH // n])
         reports[level] = t.memory_report()
@@ -242,14 +242,14 @@ def test_zero2_waits_before_reusing_a_staging_buffer(contexts):
                            y[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH])
             dist.train_step(x[step * GLOBAL_BATCH + r * b:step * GLOBAL_BATCH + (r + 1) * b],
                             y[step * GLOBAL_BATCH + r * b:step * GLOBAL_BATCH + (r + 1) * b])
-            for (name, got), want in zip(dist.model.state().items(), ref.model.state().values(),
+            for (name, got), want in zip(dist.parameters().items(), ref.parameters().values(),
                                          strict=True):
                 np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12, err_msg=name)
     finally:
         slow.close()
 
 
-@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
 def test_per_rank_seeds_train_rank_0s_model(contexts, level):
     """Each rank draws its own initial weights (a per-rank seed): the trainer gives every rank
     rank 0's, so training equals one process that started from rank 0's seed."""
@@ -265,8 +265,8 @@ def test_per_rank_seeds_train_rank_0s_model(contexts, level):
                        y[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH])
         mine.train_step(x[step * GLOBAL_BATCH + r * b:step * GLOBAL_BATCH + (r + 1) * b],
                         y[step * GLOBAL_BATCH + r * b:step * GLOBAL_BATCH + (r + 1) * b])
-        assert same_on_every_rank(world.connector, mine.stage.flat.flat_params)
-        for (name, got), want in zip(mine.model.state().items(), ref.model.state().values(),
+        assert same_on_every_rank(world.connector, mine.stage.full_params())
+        for (name, got), want in zip(mine.parameters().items(), ref.parameters().values(),
                                      strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12, err_msg=name)
 
@@ -317,12 +317,12 @@ def test_a_nan_in_one_ranks_input(contexts, level, mode):
         return
     losses = trainer.fit(x, y)
     assert trainer.guard.skipped == 1 and np.isnan(losses[0])
-    assert all(np.isfinite(p).all() for p in trainer.model.state().values())
-    assert same_on_every_rank(world.connector, trainer.stage.flat.flat_params)
+    assert all(np.isfinite(p).all() for p in trainer.parameters().values())
+    assert same_on_every_rank(world.connector, trainer.stage.full_params())
 
 
 
-@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
 @pytest.mark.parametrize("micro", [2, 3])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_accumulated_micro_batches_equal_one_batch(contexts, level, micro, overlap):
@@ -332,7 +332,7 @@ def test_accumulated_micro_batches_equal_one_batch(contexts, level, micro, overl
                bucket_mb=2e-4, grad_accum_steps=micro)
 
 
-@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
 def test_clipping_by_the_global_norm(contexts, level):
     """Clipped training equals the clipped single process at every level (each gradient
     counted once in the norm, whichever rank holds it), and the clip is active."""
@@ -341,7 +341,7 @@ def test_clipping_by_the_global_norm(contexts, level):
                       bucket_mb=2e-4, **clip)
     assert dist.guard.norm > 0.05  # the last step's norm, before clipping: the clip bit
     free = run_parity(contexts, level, "sgd", "deep", "float64", 1e-9, 1e-12, bucket_mb=2e-4)
-    assert not np.allclose(dist.stage.flat.flat_params, free.stage.flat.flat_params)
+    assert not np.allclose(dist.stage.full_params(), free.stage.full_params())
 
 
 def half_config(level, precision, **extra):
@@ -358,14 +358,14 @@ def test_mixed_precision_levels_agree_and_learn(contexts, precision):
     world, _ = contexts
     x, y, loss_fn = data("deep", "float32")
     history = {}
-    for level in (0, 1, 2):
+    for level in (0, 1, 2, 3):
         trainer = trainer_on(world, "deep", half_config(level, precision), "float32", loss_fn)
-        assert trainer.stage.flat.flat_params.dtype.itemsize == 2
+        assert trainer.stage.full_params().dtype.itemsize == 2
         assert all(m.dtype == np.float32 for m in trainer.stage.master)
         history[level] = trainer.fit(x, y)
-        assert same_on_every_rank(world.connector, trainer.stage.flat.flat_params)
+        assert same_on_every_rank(world.connector, trainer.stage.full_params())
     assert history[0][-1] < history[0][0]  # it learns
-    for level in (1, 2):
+    for level in (1, 2, 3):
         np.testing.assert_allclose(history[level], history[0], rtol=2e-2)
 
 
@@ -383,4 +383,37 @@ def test_fp16_overflow_skips_the_same_step_on_every_rank(contexts):
     trainer.fit(x, y)
     assert trainer.guard.skipped == 1 and trainer.scaler.scale == scale / 2
     assert same_on_every_rank(world.connector, np.array([trainer.scaler.scale]))
-    assert np.isfinite(trainer.stage.flat.flat_params.astype(np.float32)).all()
+    assert np.isfinite(trainer.stage.full_params().astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("reshard", [True, False])
+def test_zero3_gathers_just_in_time(contexts, overlap, reshard):
+    """Level 3 with and without prefetching on the communication thread, resharding after
+    forward or keeping the gathered parameters for backward: one process's training."""
+    world, _ = contexts
+    config = load_config({**OPTIMIZERS["adam"], "dtype": "float64", "batch_size": GLOBAL_BATCH},
+                         {"zero_opt_level": 3, "bucket_size_mb": 1e-4, "overlap_comm": overlap,
+                          "reshard_after_forward": reshard, "backend": "mpi", "device": "cpu"})
+    x, y, loss_fn = data("deep", "float64")
+    dist = trainer_on(world, "deep", config, "float64", loss_fn)
+    ref = trainer_on(contexts[1], "deep", make_config(0, "adam", "float64"), "float64", loss_fn)
+    stage = dist.stage
+    assert stage.flat.flat_params is None and len(stage.groups) >= 4
+    assert len(stage._gather) == (1 if not reshard else 2)
+    b, r = GLOBAL_BATCH // world.size, world.rank
+    for step in range(STEPS):
+        ref.train_step(x[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH],
+                       y[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH])
+        dist.train_step(x[step * GLOBAL_BATCH + r * b:step * GLOBAL_BATCH + (r + 1) * b],
+                        y[step * GLOBAL_BATCH + r * b:step * GLOBAL_BATCH + (r + 1) * b])
+        for (name, got), want in zip(dist.parameters().items(), ref.parameters().values(),
+                                     strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12, err_msg=name)
+    report = dist.memory_report()
+    padded = sum(bk.padded_size for bk in stage.flat.buckets)
+    assert report["params"] == padded * 8 // world.size  # only this rank's shard
+    assert report["grads"] == padded * 8 // world.size
+    assert report["optimizer"] == 2 * padded * 8 // world.size
+    gather = padded if not reshard else max(g["stop"] - g["start"] for g in stage.groups)
+    assert sum(g.nbytes for g in stage._gather) == 8 * gather * (1 if not reshard else 2)

@@ -323,18 +323,16 @@ def test_value_out_of_range(tmp_path, section, key, value, rule):
     raises(ValueError, lambda: load_config(overrides=[word]), "command line", key, rule)
 
 
-def test_zero3_is_refused_with_a_hint(tmp_path):
-    path = write(tmp_path, "meta_dist_config:\n  zero_opt_level: 3\n")
-    raises(
-        ValueError,
-        lambda: load_config(path=path),
-        path,
-        "meta_dist_config.zero_opt_level",
-        "got 3",
-        "one of 0, 1, 2",
-        "ZeRO-3 (parameter partitioning) is not supported yet",
-        "use 0, 1 or 2",
-    )
+def test_zero_levels_have_one_source(tmp_path):
+    """config.ZERO_LEVELS decides what the config, the context and the stages accept."""
+    from meta_dist.config import ZERO_LEVELS
+    from meta_dist.zero import STAGES
+
+    assert tuple(STAGES) == ZERO_LEVELS == (0, 1, 2, 3)
+    assert load_config(meta_dist_config={"zero_opt_level": 3}).dist.zero_opt_level == 3
+    path = write(tmp_path, "meta_dist_config:\n  zero_opt_level: 4\n")
+    raises(ValueError, lambda: load_config(path=path), path, "meta_dist_config.zero_opt_level",
+           "got 4", "one of 0, 1, 2, 3")
 
 
 def test_bad_value_in_a_lower_layer_is_still_an_error(tmp_path):

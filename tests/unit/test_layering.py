@@ -16,7 +16,8 @@ ALLOWED = {
     "meta_dist.optim": {"meta_dist.xp", "meta_dist.optim"},
     "meta_dist.comm": {"meta_dist.comm", "meta_dist.connector", "meta_dist.failfast",
                        "meta_dist.xp"},
-    "meta_dist.distributed": {"meta_dist.comm", "meta_dist.connector", "meta_dist.xp"},
+    "meta_dist.distributed": {"meta_dist.comm", "meta_dist.connector", "meta_dist.config",
+                              "meta_dist.xp"},
     "meta_dist.zero": {"meta_dist.zero", "meta_dist.comm", "meta_dist.nn", "meta_dist.optim",
                        "meta_dist.xp"},
     "meta_dist.train": None,  # the glue: may import everything
