@@ -78,7 +78,12 @@ def _rank() -> str:
 
 def _abort_on_exception(exc_type: type, exc: BaseException, tb: Any) -> None:
     lines = traceback.format_exception(exc_type, exc, tb)
-    sys.stderr.write(f"[rank {_rank()}] uncaught exception; aborting the job:\n" + "".join(lines))
+    report = f"[rank {_rank()}] uncaught exception; aborting the job:\n" + "".join(lines)
+    sys.stderr.write(report)
+    # a hook that wraps this one may have pointed sys.stderr at a buffer it prints after we
+    # return (torch.distributed's prefixes each line with the rank): we never return
+    if sys.stderr is not sys.__stderr__ and sys.__stderr__ is not None:
+        sys.__stderr__.write(report)
     _end_job(1)
 
 
@@ -94,8 +99,9 @@ def _end_job_if_leaving_early() -> None:
 
 def _end_job(code: int) -> None:
     """MPI_Abort(code) on the world, starting MPI first if needed (then every rank is in)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        if stream is not None:
+            stream.flush()
     try:
         from mpi4py import MPI  # starts MPI if nothing did yet
     except Exception:  # no MPI to end the job with: leave like any process

@@ -3,10 +3,12 @@
     mpirun -np N python tests/scripts/exit_early.py WHEN HOW
 
 WHEN is ``before`` (before meta_dist starts MPI) or ``after`` (once the context is up); HOW is
-``raise`` (an uncaught exception) or ``exit`` (sys.exit(3)). Rank 1 leaves; the others go on to
-an allreduce that rank 1 never joins.
+``raise`` (an uncaught exception), ``exit`` (sys.exit(3)) or ``wrapped`` (raise under an
+exception hook that captures stderr around ours, as torch.distributed's does). Rank 1 leaves;
+the others go on to an allreduce that rank 1 never joins.
 """
 
+import io
 import os
 import sys
 
@@ -19,8 +21,23 @@ WHEN, HOW = sys.argv[1], sys.argv[2]
 RANK = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
 
 
+def capture_around(hook):
+    """torch.distributed's pattern: run the previous hook with stderr swapped for a buffer."""
+    def wrapper(*args):
+        real, sys.stderr = sys.stderr, io.StringIO()
+        try:
+            hook(*args)
+        finally:
+            captured, sys.stderr = sys.stderr.getvalue(), real
+        sys.stderr.write(captured)
+
+    return wrapper
+
+
 def leave():
-    if HOW == "raise":
+    if HOW == "wrapped":
+        sys.excepthook = capture_around(sys.excepthook)
+    if HOW in ("raise", "wrapped"):
         raise RuntimeError(f"deliberate failure on rank 1 {WHEN} init")
     sys.exit(3)
 
