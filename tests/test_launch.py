@@ -24,7 +24,7 @@ def test_exception_on_one_rank_aborts_job_with_traceback():
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
-@pytest.mark.parametrize("how, code", [("raise", 1), ("exit", 3)])
+@pytest.mark.parametrize("how, code", [("raise", 1), ("exit", 3), ("wrapped", 1)])
 def test_a_rank_that_leaves_ends_the_job_with_its_code(when, how, code):
     """Rank 1 raises or calls sys.exit(3) before meta_dist starts MPI or after; the other four
     wait in an allreduce. The job must end within seconds with that rank's exit code (it
@@ -34,7 +34,7 @@ def test_a_rank_that_leaves_ends_the_job_with_its_code(when, how, code):
     assert not result.timed_out and result.returncode == code, str(result)
     assert time.monotonic() - start < 30
     assert "unreachable" not in result.output
-    expected = ("RuntimeError: deliberate failure on rank 1" if how == "raise"
+    expected = ("RuntimeError: deliberate failure on rank 1" if how != "exit"
                 else "[rank 1] exits with code 3 while the job is running; ending the job")
     assert expected in result.output, str(result)
 
@@ -177,6 +177,18 @@ def test_resume_a_4_rank_checkpoint_at_any_world_size_and_level(saved_at_4_ranks
                          str(level)], timeout=180)
     assert result.returncode == 0, str(result)
     assert "resumed from" in result.output and "at epoch 1 step 3" in result.output
+    assert "match largest relative difference" in result.output, str(result)
+
+
+@pytest.mark.parametrize("saved, resumed", [((4, 3), (2, 0)), ((2, 0), (3, 3))])
+def test_level_3_checkpoints_resume_at_level_0_and_back(tmp_path, saved, resumed):
+    """Sharded parameters saved at level 3 resume with whole ones at level 0, and back."""
+    result = run(saved[0], ["tests/scripts/checkpoint_job.py", "save", str(tmp_path),
+                            str(saved[1])], timeout=180)
+    assert result.returncode == 0, str(result)
+    result = run(resumed[0], ["tests/scripts/checkpoint_job.py", "resume", str(tmp_path),
+                              str(resumed[1])], timeout=180)
+    assert result.returncode == 0, str(result)
     assert "match largest relative difference" in result.output, str(result)
 
 

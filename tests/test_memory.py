@@ -2,9 +2,11 @@
 
 Each rank's peak RSS growth over building the model, building the trainer and three Adam steps
 must stay within 5% + one bucket of the model state its level promises (DESIGN.md: 4P, 2P +
-2P/N, P + 3P/N for P bytes of float32 parameters), and fall level by level. The model is the
-one the memory issue was measured on (20.4M parameters, P = 78 MiB); its 3000 x 3000 layers
-(34 MiB) are larger than the 4 MiB bucket, so they must be reduced in pieces.
+2P/N, P + 3P/N, 4P/N for P bytes of float32 parameters; level 3 adds its working set, the
+gather buffer of the largest layer), and fall level by level. The model is the one the memory
+issue was measured on (20.4M parameters, P = 78 MiB); its 3000 x 3000 layers (34 MiB) are
+larger than the 4 MiB bucket, so they must be reduced in pieces, and at level 3 they are what
+the gather buffer holds: the hardest case for level 3 against level 2 (few, large layers).
 """
 
 import re
@@ -13,27 +15,32 @@ import pytest
 from mpirun import run
 
 DIMS, BUCKET_MB = "784-3000-3000-3000-10", 4.0
+LARGEST_LAYER_MIB = (3000 * 3000 + 3000) * 4 / 2**20
 
 
 def measure(ranks, level):
     result = run(ranks, ["tests/scripts/memory_probe.py", str(level), DIMS, str(BUCKET_MB)],
                  timeout=300)
     assert result.returncode == 0 and not result.timed_out, str(result)
-    rows = re.findall(r"rank (\d+) peak_mib ([\d.]+) promise_mib ([\d.]+) report_mib ([\d.]+)",
-                      result.output)
+    rows = re.findall(r"rank (\d+) peak_mib ([\d.]+) promise_mib ([\d.]+) report_mib ([\d.]+) "
+                      r"buffers_mib ([\d.]+)", result.output)
     assert len(rows) == ranks, str(result)
-    return [(float(peak), float(promise), float(report)) for _, peak, promise, report in rows]
+    return [tuple(float(v) for v in row[1:]) for row in rows]
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_each_level_holds_what_its_formula_says(ranks):
     peaks = {}
-    for level in (0, 1, 2):
+    for level in (0, 1, 2, 3):
         rows = measure(ranks, level)
-        for peak, promise, report in rows:
-            bound = promise * 1.05 + BUCKET_MB
+        for peak, promise, report, buffers in rows:
+            working = BUCKET_MB
+            if level == 3:  # staging and the gather buffer(s), each the largest layer at most
+                assert buffers <= BUCKET_MB + 2 * LARGEST_LAYER_MIB + 0.01, buffers
+                working = buffers
+            bound = promise * 1.05 + working
             assert peak <= bound, (f"level {level} at {ranks} ranks: peak RSS growth {peak:.1f} "
                                    f"MiB > {bound:.1f} (model state {promise:.1f} MiB)")
             assert report <= bound  # what the report accounts for fits the promise too
-        peaks[level] = max(peak for peak, _, _ in rows)
-    assert peaks[0] > peaks[1] > peaks[2], peaks
+        peaks[level] = max(row[0] for row in rows)
+    assert peaks[0] > peaks[1] > peaks[2] > peaks[3], peaks

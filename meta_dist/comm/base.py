@@ -77,6 +77,7 @@ class Communicator(ABC):
         watchdog = StallWatchdog(self.rank, stall_timeout) if stall_timeout else None
         self._threads = CommThreads(watchdog, self._worker_started)
         self.fusion = plans.Fusion(self._address)
+        self.traffic = plans.Traffic(self.size)  # bytes each operation moved; see plans.Traffic
         self.to_self: queue.Queue = queue.Queue()  # messages this rank sent itself
         self.closed = False
 

@@ -36,6 +36,7 @@ def allreduce(c: Communicator, send: Any, op: str, out: Any) -> Run:
     sends, is_list = c._inputs("allreduce", send)
     checks.check_op("allreduce", op, REDUCE_OPS, sends[0].dtype)
     outs, fresh = c._outputs("allreduce", out, sends, None, is_list)
+    c.traffic.count("allreduce", sends)
 
     def run() -> Any:
         c._fingerprint("allreduce", sends, op=op)
@@ -55,6 +56,7 @@ def reduce_scatter(c: Communicator, send: Any, op: str, out: Any) -> Run:
     checks.check_rows("reduce_scatter", sends, c.size)
     shapes = [checks.scatter_shape(s.shape, c.size) for s in sends]
     outs, _ = c._outputs("reduce_scatter", out, sends, shapes, is_list)
+    c.traffic.count("reduce_scatter", sends)
 
     def run() -> Any:
         c._fingerprint("reduce_scatter", sends, op=op)
@@ -80,6 +82,7 @@ def allgather(c: Communicator, send: Any, out: Any) -> Run:
     checks.check_axis0("allgather", sends)
     shapes = [checks.gather_shape(s.shape, c.size) for s in sends]
     outs, _ = c._outputs("allgather", out, sends, shapes, is_list)
+    c.traffic.count("allgather", sends)
 
     def run() -> Any:
         c._fingerprint("allgather", sends)
@@ -105,6 +108,7 @@ def broadcast(c: Communicator, buf: Any, root: int, out: Any) -> Run:
     bufs, is_list = c._inputs("broadcast", buf)
     checks.check_rank("broadcast", "root", root, c.size)
     outs, fresh = c._outputs("broadcast", out, bufs, None, is_list)
+    c.traffic.count("broadcast", bufs)
 
     def run() -> Any:
         c._fingerprint("broadcast", bufs, root=root)
@@ -126,6 +130,7 @@ def reduce(c: Communicator, send: Any, root: int, op: str, out: Any) -> Run:
     checks.check_op("reduce", op, REDUCE_OPS, sends[0].dtype)
     is_root = c.rank == root
     outs, fresh = c._outputs("reduce", out, sends, None, is_list) if is_root else (None, None)
+    c.traffic.count("reduce", sends)
 
     def run() -> Any:
         c._fingerprint("reduce", sends, op=op, root=root)
@@ -152,6 +157,7 @@ def send(c: Communicator, send: Any, peer: int) -> Run:
         total = sum(s.size for s in sends)
         return lambda: c.to_self.put((sends[0].dtype, [s.shape for s in sends], c.fusion.pack(
             sends, into=array_module(sends[0]).empty(total, sends[0].dtype))))
+    c.traffic.count("send", sends)
 
     def run() -> None:
         if c.check:
@@ -214,6 +220,40 @@ def _recv_from_self(c: Communicator, outs: list[Any], is_list: bool, total: int)
             "send and recv must use the same shapes and dtype")
     unpack(data, outs)
     return outs if is_list else outs[0]
+
+
+class Traffic:
+    """Calls and bytes this rank has asked each operation to move, since the last ``reset``.
+
+    Bytes are the bandwidth-optimal algorithm's bytes sent per rank (NCCL's "bus bytes"), for
+    data of S bytes over n ranks: allreduce 2(n-1)/n S (a reduce-scatter, then an allgather);
+    reduce_scatter and allgather (n-1)/n S, where S is the whole array (the input of a
+    reduce-scatter, the output of an allgather); broadcast, reduce and send S. So the figures
+    compare what ZeRO's levels cost the network, independent of the MPI's own algorithm.
+    The cross-rank check's small allreduces are not counted.
+    """
+
+    def __init__(self, size: int) -> None:
+        n = size
+        self.factor = {"allreduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
+                       "allgather": (n - 1), "broadcast": 1.0, "reduce": 1.0, "send": 1.0}
+        self.calls: dict[str, int] = {}
+        self.bytes: dict[str, float] = {}
+
+    def count(self, api: str, arrays: list[Any]) -> None:
+        """Count one call of ``api`` on ``arrays`` (an allgather's inputs: n of them arrive)."""
+        self.calls[api] = self.calls.get(api, 0) + 1
+        nbytes = sum(int(a.nbytes) for a in arrays)
+        self.bytes[api] = self.bytes.get(api, 0.0) + self.factor[api] * nbytes
+
+    def total(self) -> float:
+        """Return the bytes counted, all operations together."""
+        return sum(self.bytes.values())
+
+    def reset(self) -> None:
+        """Start counting again from zero."""
+        self.calls.clear()
+        self.bytes.clear()
 
 
 class Fusion:

@@ -102,6 +102,10 @@ class ZeroStage:
         self.comm.allreduce(grads, "avg", out=grads)
         return None
 
+    def _reduce_all(self) -> None:
+        """Average every bucket at once (one collective), when backward did not stream them."""
+        self.comm.allreduce(self.flat_grads, "avg", out=self.flat_grads)
+
     def _local_grads(self) -> list[Any]:
         return [self.flat_grads[s] for s in self.owned_slices()]
 
@@ -269,7 +273,7 @@ class ZeroStage:
     def _finish_reduction(self) -> None:
         """Reduce what backward did not, then wait for every reduction."""
         if not self._streams_buckets():
-            self.comm.allreduce(self.flat_grads, "avg", out=self.flat_grads)
+            self._reduce_all()
         for handle in self._pending:
             handle.wait()
         self._pending.clear()
@@ -374,8 +378,9 @@ class ZeroStage0(ZeroStage):
 
 
 class ZeroStage1(ZeroStage0):
-    """ZeRO-1: average all grads (allreduce), update only my shard, then allgather the params.
+    """ZeRO-1: reduce-scatter the grads in place, update only my shard, allgather the params.
 
+    A reduce-scatter plus an allgather moves what one allreduce does: level 0's volume.
     Memory: optimizer state ≈ 1/N of level 0's; params and grads full size.
     """
 
@@ -384,6 +389,20 @@ class ZeroStage1(ZeroStage0):
     def owned_slices(self) -> list[slice]:
         """This rank's shard of every bucket."""
         return [bucket.shard(self.rank) for bucket in self.flat.buckets]
+
+    def _reduce_bucket(self, bucket: Bucket) -> Handle | None:
+        """Average one bucket into this rank's shard of it (the rest is not read again)."""
+        grads = self.flat_grads
+        if self.overlap:
+            return self.comm.reduce_scatter_async(grads[bucket.whole], "avg",
+                                                  out=grads[bucket.shard(self.rank)])
+        self.comm.reduce_scatter(grads[bucket.whole], "avg", out=grads[bucket.shard(self.rank)])
+        return None
+
+    def _reduce_all(self) -> None:
+        """One in-place reduce-scatter per bucket (a fused list would pack a full-size copy)."""
+        for bucket in self.flat.buckets:
+            self._start_reduction(bucket)
 
     def _after_update(self) -> None:
         params = self.flat.flat_params
@@ -487,13 +506,14 @@ class ZeroStage3(ZeroStage2):
 
     Between steps a rank holds only its shard of every bucket: parameters, gradients and
     optimizer state. Forward gathers a layer's buckets (one allgather each) into a gather
-    buffer just before the layer runs, and starts gathering the next group into the other
-    buffer meanwhile (FSDP2's prefetch); backward does the same from the last layer down, then
+    buffer just before the layer runs; backward does the same from the last layer down, then
     reduce-scatters the gradients as level 2 does. A group is the buckets one layer spans
     (``zero.partition`` may cut a large layer), so a gather buffer holds the largest layer.
-    With ``reshard_after_forward`` off, the gather buffer is the whole model: forward's
-    gathers stay for backward (no second allgather, level 2's memory for the parameters).
-    Memory: 16Ψ/N of model state (fp32 Adam), plus two gather buffers and the staging.
+    With overlap, a second buffer receives the next group on the communication thread while
+    the current one computes (FSDP2's prefetch); without it, a gather could only wait, so one
+    buffer serves. With ``reshard_after_forward`` off, the gather buffer is the whole model:
+    forward's gathers stay for backward (no second allgather, level 2's parameter memory).
+    Memory: 16Ψ/N of model state (fp32 Adam), plus the gather buffer(s) and the staging.
     """
 
     level = 3
@@ -513,11 +533,24 @@ class ZeroStage3(ZeroStage2):
         self.keep = not reshard_after_forward
         size = flat.flat_params.size if self.keep else max(
             g["stop"] - g["start"] for g in self.groups)
-        self._gather = [xp.zeros(size, flat.dtype) for _ in range(1 if self.keep else 2)]
+        buffers = 2 if overlap and not self.keep else 1
+        self._gather = [xp.zeros(size, flat.dtype) for _ in range(buffers)]
         self._held: list[set[int]] = [set() for _ in self._gather]  # groups each buffer holds
         self._arriving: dict[int, list[Handle]] = {}  # buffer -> its allgathers in flight
         self._active: int | None = None  # the buffer the layers now read
         flat.flat_params = None  # the full working copy is gone; layers see gather buffers
+        self._unbind()
+
+    def _unbind(self) -> None:
+        """Point every layer's parameters at NaN placeholders until a gather binds them.
+
+        Between steps the values live in the shards only (``Trainer.parameters()`` gathers
+        them); a layer run outside forward and backward would compute NaN, not stale values.
+        """
+        xp = self.flat.xp
+        nan = xp.full((), xp.nan, self.flat.dtype)
+        for slot in self.flat.slots:
+            self.flat.model.layers[slot.layer].params[slot.name] = xp.broadcast_to(nan, slot.shape)
 
     def _param_shard(self, bucket: Bucket) -> Any:
         start = self._shard_start[bucket.index]
@@ -531,6 +564,7 @@ class ZeroStage3(ZeroStage2):
         self._settle_gathers()
         self._held = [set() for _ in self._gather]
         self._active = None
+        self._unbind()
 
     def _settle_gathers(self) -> None:
         for which in list(self._arriving):
@@ -573,15 +607,17 @@ class ZeroStage3(ZeroStage2):
             params = self.flat.model.layers[layer].params
             for slot in self.flat.layer_slots[layer]:
                 params[slot.name] = self.flat.view(self._gather[which], slot, base)
-        if 0 <= upcoming < len(self.groups) and self._buffer_of(upcoming) is None:
+        prefetch = self.keep or len(self._gather) > 1  # else the one buffer is in use
+        if prefetch and 0 <= upcoming < len(self.groups) and self._buffer_of(upcoming) is None:
             self._start_gather(upcoming)
 
     def _buffer_of(self, group: int) -> int | None:
         return next((i for i, held in enumerate(self._held) if group in held), None)
 
     def _start_gather(self, group: int) -> int:
-        """Start the allgathers of ``group`` into a buffer the layers are not reading."""
-        which = 0 if self.keep else next(i for i in range(2) if i != self._active)
+        """Start the allgathers of ``group`` into a buffer the layers are not reading (or into
+        the only one, whose layer has finished with it)."""
+        which = next((i for i in range(len(self._gather)) if i != self._active), 0)
         for handle in self._arriving.pop(which, []):  # what it gathered before must land first
             handle.wait()
         gather = self._gather[which]

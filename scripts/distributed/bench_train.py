@@ -1,15 +1,19 @@
-"""Training benchmark: DESIGN.md's reference MLP at ZeRO levels 0, 1, 2 (and PyTorch, --torch).
+"""Training benchmark: DESIGN.md's reference MLP at ZeRO levels 0-3 (and PyTorch, --torch).
 
-    mpirun -np 2 [--bind-to core] python scripts/distributed/bench_train.py [--levels 0,1,2]
+    mpirun -np 2 [--bind-to core] python scripts/distributed/bench_train.py [--levels 0,1,2,3]
         [--steps 30] [--warmup 5] [--blocks 5] [--overlap | --no-overlap] [--bucket-mb 25]
-        [--hidden 1024 | --big | --xl] [--precision fp32|fp16|bf16] [--nonfinite ...] [--torch]
+        [--hidden 1024 | --big | --xl] [--depth 2] [--precision fp32|fp16|bf16]
+        [--no-reshard] [--nonfinite ...] [--torch]
 
 Workload: MLP 784 -> H -> H -> 10 with ReLU and softmax cross-entropy, synthetic data, Adam lr
 1e-3, fp32, GLOBAL batch 256 split evenly across the ranks; every run starts from the same
 weights. H is 1024 by default; --big makes it 3584 (15.7M parameters), --xl 4096 (20.0M), for
-the memory comparison. --torch adds PyTorch DDP (gloo) and DDP + ZeroRedundancyOptimizer(Adam)
-on the same workload in the same run; torch.distributed gets MPI's rank and size and a
-MASTER_PORT that rank 0 picks and broadcasts.
+the memory comparison. --torch adds PyTorch DDP (gloo), DDP + ZeroRedundancyOptimizer(Adam)
+and FSDP FULL_SHARD (each Linear its own FSDP unit, as meta_dist's level 3 gathers layer by
+layer) on the same workload in the same run; torch.distributed gets MPI's rank and size and a
+MASTER_PORT that rank 0 picks and broadcasts. "MiB/step" is what a meta_dist rank asked its
+communicator to move per step (``Communicator.traffic``: the bus bytes of NCCL's formulas), so
+the levels' communication volumes compare (DESIGN.md: levels 1 and 2 equal DP's, level 3 1.5x).
 
 Fairness: numpy's BLAS and torch both use ONE thread per rank: OMP_NUM_THREADS,
 OPENBLAS_NUM_THREADS and MKL_NUM_THREADS are set to 1 at the top of this file, before numpy is
@@ -75,25 +79,29 @@ def reset_peak():
 
 
 def meta_variant(level, args):
-    """Return (step function, memory_report) for a meta_dist Trainer at ZeRO ``level``."""
+    """Return (step function, memory_report, traffic) for a meta_dist Trainer at ``level``."""
     config = load_config(
         {"batch_size": GLOBAL_BATCH, "optimizer": "adam", "lr": 1e-3, "input_shape": [784],
          "num_classes": 10, "dtype": "float32", "precision": args.precision},
         {"zero_opt_level": level, "overlap_comm": args.overlap, "bucket_size_mb": args.bucket_mb,
          "device": args.device, "backend": "mpi" if args.device == "cpu" else "auto",
-         "seed": SEED, "nonfinite": args.nonfinite})
+         "seed": SEED, "nonfinite": args.nonfinite, "reshard_after_forward": args.reshard})
     xp = array_module_for(config)  # cupy on this rank's GPU for --device cuda
     trainer = Trainer(build_mlp(args.hidden, args.depth, xp), config, log=None)
     args.resolved_overlap = trainer.overlap
     # the batch is copied to the device inside the step, as torch's is; float() waits for it
     return (lambda x, y: float(trainer.train_step(xp.asarray(x), xp.asarray(y))),
-            trainer.memory_report())
+            trainer.memory_report(), trainer.comm.traffic)
 
 
-def torch_variant(zero, args):
-    """Return (step function, None) for PyTorch DDP (gloo), with ZeroRedundancyOptimizer if zero."""
+def torch_variant(kind, args):
+    """Return (step function, None, None) for PyTorch: "ddp", "zero" (DDP with
+    ZeroRedundancyOptimizer) or "fsdp" (FSDP2 ``fully_shard`` on each Linear, then on the
+    model: FULL_SHARD, or SHARD_GRAD_OP's behaviour with --no-reshard); gloo on the CPU."""
     import torch
     import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
@@ -110,9 +118,16 @@ def torch_variant(zero, args):
         del start
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else None
     model.to(device or "cpu")
-    ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb,
-                                  device_ids=[device] if device else None)
-    if zero:
+    if kind == "fsdp":
+        mesh = init_device_mesh(device.type if device else "cpu",
+                                (torch.distributed.get_world_size(),))
+        for layer in model[::2]:  # the Linears: one unit each, as meta_dist's level 3 gathers
+            fully_shard(layer, mesh=mesh, reshard_after_forward=args.reshard)
+        ddp = fully_shard(model, mesh=mesh, reshard_after_forward=args.reshard)
+    else:
+        ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb,
+                                      device_ids=[device] if device else None)
+    if kind == "zero":
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
     else:
         opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
@@ -127,7 +142,7 @@ def torch_variant(zero, args):
         opt.step()
         return loss.item()  # a Python float, as the meta_dist step returns
 
-    return step, None
+    return step, None, None
 
 
 def start_torch(world, device):
@@ -153,7 +168,7 @@ def parse_args():
     """Parse the command line."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--levels", default="0,1,2", help="ZeRO levels to run, e.g. 0,2 or 2")
+    p.add_argument("--levels", default="0,1,2,3", help="ZeRO levels to run, e.g. 0,2 or 3")
     p.add_argument("--steps", type=int, default=30, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per variant")
     p.add_argument("--blocks", type=int, default=5, help="the timed steps alternate in blocks")
@@ -174,7 +189,10 @@ def parse_args():
     p.add_argument("--depth", type=int, default=2,
                    help="hidden layers (784-H-...-H-10); --hidden 2048 --depth 6 is 22.6M "
                         "parameters in layers of equal size")
-    p.add_argument("--torch", action="store_true", help="also run PyTorch DDP and DDP + ZeRO")
+    p.add_argument("--reshard", action=argparse.BooleanOptionalAction, default=True,
+                   help="level 3's reshard_after_forward (and FSDP FULL_SHARD vs SHARD_GRAD_OP)")
+    p.add_argument("--torch", action="store_true",
+                   help="also run PyTorch DDP, DDP + ZeroRedundancyOptimizer and FSDP")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: meta_dist on CuPy (NCCL where usable) and torch on the GPU "
                         "(nccl process group)")
@@ -197,18 +215,21 @@ def main():
     makers = {f"meta_dist ZeRO-{lv}" if lv else "meta_dist DP":
               (lambda lv=lv: meta_variant(lv, args)) for lv in args.levels}
     if args.torch:
-        makers["torch DDP"] = lambda: torch_variant(False, args)
-        makers["torch DDP + ZeroRedundancyOpt"] = lambda: torch_variant(True, args)
+        makers["torch DDP"] = lambda: torch_variant("ddp", args)
+        makers["torch DDP + ZeroRedundancyOpt"] = lambda: torch_variant("zero", args)
+        makers["torch FSDP2 " + ("FULL_SHARD" if args.reshard else "SHARD_GRAD_OP")] = \
+            lambda: torch_variant("fsdp", args)
 
     runs = {}  # name -> dict(step, report, peak, held, times, done, loss)
     for name, make in makers.items():
         gc.collect()
         reset_peak()
         base = rss_mib("VmRSS")
-        step, report = make()
+        step, report, traffic = make()
         for i in range(args.warmup):
             step(*batches[i % BATCHES])
         runs[name] = {"step": step, "report": report, "times": [], "done": args.warmup,
+                      "traffic": traffic, "moved": 0.0,
                       "peak": world.allreduce(rss_mib("VmHWM") - base, op=MPI.MAX),
                       "held": world.allreduce(rss_mib("VmRSS") - base, op=MPI.MAX)}
     per_block = -(-args.steps // args.blocks)
@@ -217,12 +238,15 @@ def main():
         for name in names:  # rotated: no variant always runs first after another's block
             run = runs[name]
             world.Barrier()
+            before = run["traffic"].total() if run["traffic"] else 0.0  # one per communicator
             for _ in range(min(per_block, args.warmup + args.steps - run["done"])):
                 start = time.perf_counter()
                 run["loss"] = run["step"](*batches[run["done"] % BATCHES])
                 run["times"].append(time.perf_counter() - start)
                 run["done"] += 1
+            run["moved"] += run["traffic"].total() - before if run["traffic"] else 0.0
     for run in runs.values():
+        run["moved"] = world.allreduce(run["moved"] / MIB / len(run["times"]), op=MPI.MAX)
         run["ms"] = world.allreduce(float(np.median(run["times"])) * 1e3, op=MPI.MAX)
         run["loss"] = world.allreduce(run["loss"]) / size  # global-batch loss: equal local batches
     process_peak = world.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -240,14 +264,15 @@ def main():
               f"after {args.warmup} warmup; step time = max over ranks of the median; memory "
               "MiB per rank (max over ranks)")
         print(f"{'variant':<31}{'step ms':>8}{'samples/s':>10}{'peak Δ':>8}{'held Δ':>8}"
-              f"{'params':>8}{'grads':>7}{'optim':>7}{'bufs':>6}{'loss':>8}")
+              f"{'params':>8}{'grads':>7}{'optim':>7}{'bufs':>6}{'MiB/step':>9}{'loss':>8}")
         for name, r in runs.items():
             rep = r["report"]
             model = ("".join(f"{rep[k] / MIB:>{w}.1f}" for k, w in
                              (("params", 8), ("grads", 7), ("optimizer", 7), ("buffers", 6)))
                      if rep else f"{'-':>8}{'-':>7}{'-':>7}{'-':>6}")
+            moved = f"{r['moved']:>9.2f}" if r["traffic"] else f"{'-':>9}"
             print(f"{name:<31}{r['ms']:>8.2f}{GLOBAL_BATCH / r['ms'] * 1e3:>10.0f}"
-                  f"{r['peak']:>8.1f}{r['held']:>8.1f}{model}{r['loss']:>8.4f}")
+                  f"{r['peak']:>8.1f}{r['held']:>8.1f}{model}{moved}{r['loss']:>8.4f}")
         print(f"# process peak RSS (ru_maxrss, max over ranks): {process_peak:.0f} MiB; with "
               "several variants in one process the Δ columns may blur: use --levels N for one")
         ms = {name: r["ms"] for name, r in runs.items()}
@@ -259,6 +284,12 @@ def main():
         for level in (1, 2):
             if dp and f"meta_dist ZeRO-{level}" in ms:
                 parts.append(f"ZeRO-{level}/DP step time {ms[f'meta_dist ZeRO-{level}'] / dp:.3f}")
+        z2, z3 = ms.get("meta_dist ZeRO-2"), ms.get("meta_dist ZeRO-3")
+        fsdp = next((v for k, v in ms.items() if k.startswith("torch FSDP")), None)
+        if z2 and z3:
+            parts.append(f"ZeRO-3/ZeRO-2 step time {z3 / z2:.3f}")
+        if z3 and fsdp:
+            parts.append(f"ZeRO-3 = {fsdp / z3:.2f}x torch FSDP's speed")
         print("summary: " + ("; ".join(parts) or "(needs level 0, and --torch for the DDP ratio)"))
     world.Free()
     dist.shutdown()

@@ -201,6 +201,26 @@ def test_non_contiguous_input_is_copied(comm):
     np.testing.assert_array_equal(comm.allreduce(x), x * comm.size)
 
 
+def test_traffic_counts_bus_bytes(comm):
+    """``comm.traffic``: each call's bytes per rank of the bandwidth-optimal algorithm."""
+    n = comm.size
+    comm.traffic.reset()
+    x = np.ones(4 * n, np.float32)  # 16n bytes
+    comm.allreduce(x)
+    comm.reduce_scatter([x, x])
+    comm.allgather(x[:4])
+    comm.broadcast(x)
+    comm.reduce(x, root=0)
+    assert comm.traffic.calls == dict.fromkeys(
+        ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"], 1)
+    assert comm.traffic.bytes == {"allreduce": 2 * (n - 1) / n * 16 * n,
+                                  "reduce_scatter": (n - 1) / n * 32 * n,
+                                  "allgather": (n - 1) / n * 16 * n,
+                                  "broadcast": 16 * n, "reduce": 16 * n}
+    comm.traffic.reset()
+    assert comm.traffic.total() == 0
+
+
 def test_async_variants_return_handles(comm):
     a = np.full(100, comm.rank, np.float64)
     handles = [comm.allreduce_async(a), comm.allgather_async(a[:2]),

@@ -185,6 +185,45 @@ def test_memory_report_matches_zero_table(contexts):
     assert reports[2]["grads"] + reports[2]["buffers"] <= reports[1]["grads"]
     if n == 1:
         assert reports[2]["buffers"] == 0  # one rank: backward writes into the shard itself
+    shard = padded[3] * 8 // n  # level 3: every part of the model state sharded
+    assert (reports[3]["params"], reports[3]["grads"]) == (shard, shard)
+    assert reports[3]["optimizer"] == 2 * shard
+
+
+@pytest.mark.parametrize("bucket_mb", [25.0, 1e-4])
+def test_bytes_moved_per_step_by_level(contexts, bucket_mb):
+    """Levels 0-2 move 2(N-1)/N of the gradient bytes per step. Level 3 gathers the parameters
+    again for backward, all but the groups forward gathered last that its gather buffers still
+    hold (one per buffer): up to 1.5x; 1x when it keeps forward's gathers."""
+    world, _ = contexts
+    n = world.size
+    x, y, loss_fn = data("deep", "float64")
+    moved = {}
+    for level, reshard in ((0, True), (1, True), (2, True), (3, True), (3, False)):
+        config = load_config({**OPTIMIZERS["adam"], "dtype": "float64", "batch_size": GLOBAL_BATCH},
+                             {"zero_opt_level": level, "bucket_size_mb": bucket_mb,
+                              "reshard_after_forward": reshard, "backend": "mpi", "device": "cpu"})
+        t = trainer_on(world, "deep", config, "float64", loss_fn)
+        t.train_step(x[:GLOBAL_BATCH // n], y[:GLOBAL_BATCH // n])
+        t.comm.traffic.reset()
+        t.train_step(x[:GLOBAL_BATCH // n], y[:GLOBAL_BATCH // n])
+        traffic = t.comm.traffic.bytes
+        guard = 2 * (n - 1) / n * 3 * 8  # the step guard's three numbers
+        padded = sum(b.padded_size for b in t.stage.flat.buckets)
+        moved[level, reshard] = (t.comm.traffic.total() - guard) / padded  # level 3 pads more
+        gathered = {0: 0, 1: padded, 2: padded}.get(level, padded)
+        if level == 3 and reshard:
+            held = t.stage.groups[-len(t.stage._gather):]
+            gathered += padded - sum(g["stop"] - g["start"] for g in held)
+            assert len(t.stage.groups) >= 4
+        assert traffic.get("allgather", 0) == pytest.approx((n - 1) / n * gathered * 8)
+        assert traffic.get("reduce_scatter", 0) == pytest.approx(
+            (n - 1) / n * padded * 8 if level else 0)
+    assert moved[1, True] == pytest.approx(moved[2, True])
+    assert moved[3, False] == pytest.approx(moved[2, True])
+    assert moved[2, True] < moved[3, True] <= 1.5 * moved[2, True] or n == 1
+    if n > 1:
+        assert moved[0, True] == pytest.approx(moved[2, True], rel=0.1)  # level 0 pads less
 
 
 def test_data_parallel_batch_must_split(contexts):
@@ -400,7 +439,7 @@ def test_zero3_gathers_just_in_time(contexts, overlap, reshard):
     ref = trainer_on(contexts[1], "deep", make_config(0, "adam", "float64"), "float64", loss_fn)
     stage = dist.stage
     assert stage.flat.flat_params is None and len(stage.groups) >= 4
-    assert len(stage._gather) == (1 if not reshard else 2)
+    assert len(stage._gather) == (2 if reshard and overlap else 1)  # a prefetch buffer
     b, r = GLOBAL_BATCH // world.size, world.rank
     for step in range(STEPS):
         ref.train_step(x[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH],
@@ -416,4 +455,4 @@ def test_zero3_gathers_just_in_time(contexts, overlap, reshard):
     assert report["grads"] == padded * 8 // world.size
     assert report["optimizer"] == 2 * padded * 8 // world.size
     gather = padded if not reshard else max(g["stop"] - g["start"] for g in stage.groups)
-    assert sum(g.nbytes for g in stage._gather) == 8 * gather * (1 if not reshard else 2)
+    assert sum(g.nbytes for g in stage._gather) == 8 * gather * len(stage._gather)

@@ -5,8 +5,9 @@
 DIMS is an MLP's widths (``784-2500-2500-10``). The high-water mark (VmHWM) is reset after MPI,
 meta_dist and the data are up (Linux /proc/self/clear_refs), so the growth counts the model's
 construction, the trainer and three Adam steps in float32. Rank 0 prints one line per rank:
-``rank R peak_mib P promise_mib M report_mib T``, where M is DESIGN.md's model state for the
-level and T what ``memory_report`` accounts for (params + grads + optimizer + buffers).
+``rank R peak_mib P promise_mib M report_mib T buffers_mib B``, where M is DESIGN.md's model
+state for the level, T what ``memory_report`` accounts for (params + grads + optimizer +
+buffers) and B its buffers (staging, and level 3's gather buffers: the working set).
 """
 
 import gc
@@ -59,11 +60,12 @@ def main():
         trainer.train_step(x[mine], y[mine])
     peak = status_mib("VmHWM") - base
     psi = sum(trainer.model.layer_numels()) * 4 / MIB  # P: the parameters' bytes in MiB
-    promise = {0: 4 * psi, 1: 2 * psi + 2 * psi / n, 2: psi + 3 * psi / n}[level]
+    promise = {0: 4 * psi, 1: 2 * psi + 2 * psi / n, 2: psi + 3 * psi / n, 3: 4 * psi / n}[level]
     report = trainer.memory_report()
     held = sum(report[k] for k in ("params", "grads", "optimizer", "buffers")) / MIB
     rows = context.connector.allgather(f"rank {context.rank} peak_mib {peak:.2f} promise_mib "
-                                       f"{promise:.2f} report_mib {held:.2f}")
+                                       f"{promise:.2f} report_mib {held:.2f} buffers_mib "
+                                       f"{report['buffers'] / MIB:.2f}")
     if context.rank == 0:
         print("\n".join(rows), flush=True)
     dist.shutdown()
