@@ -38,8 +38,14 @@ class DistContext:
         from meta_dist.comm import make_communicator
 
         self._communicators: dict[str, Communicator] = {"mpi": make_communicator("mpi", connector)}
-        if backend == "nccl" or (backend == "auto" and _nccl_usable_everywhere(connector)):
+        # why CuPy arrays go through MPI (None: they use NCCL); "auto" picks NCCL only where it
+        # can run on every rank: each rank its own GPU, or GPUs NCCL lets ranks share
+        self.nccl_problem: str | None = "backend: mpi was asked for"
+        if backend == "auto":
+            self.nccl_problem = _nccl_problem(connector)
+        if backend == "nccl" or (backend == "auto" and self.nccl_problem is None):
             self._communicators["nccl"] = make_communicator("nccl", connector)
+            self.nccl_problem = None
 
     root_rank = property(lambda self: self.connector.root_rank, doc="The root rank (0).")
     size = property(lambda self: self.connector.size, doc="The number of ranks.")
@@ -100,6 +106,14 @@ class DistContext:
                 and "nccl" in self._communicators):
             return self._communicators["nccl"]
         return self.communicator("mpi")
+
+    def device_route(self, comm: Communicator) -> str:
+        """Say how ``comm`` moves CuPy arrays, and why not NCCL (one line for a log)."""
+        if comm.backend_name == "nccl":
+            return "GPU collectives: NCCL"
+        how = "CUDA-aware" if comm.staging.cuda_aware else "staged through host memory"
+        why = self.nccl_problem or "backend: mpi in the config"
+        return f"GPU collectives: MPI, {how} ({why})"
 
     def close(self) -> None:
         """Close every communicator and the connector. Collective."""
@@ -167,11 +181,12 @@ def _live_context(api: str) -> DistContext:
     return _context
 
 
-def _nccl_usable_everywhere(connector: MPIConnector) -> bool:
-    """Return True when NCCL can run on every rank (collective: one decision for all)."""
-    from meta_dist.comm.nccl_backend import nccl_unavailable_reason  # imports without cupy
+def _nccl_problem(connector: MPIConnector) -> str | None:
+    """Return why NCCL cannot serve every rank (naming the ranks), or None. Collective."""
+    from meta_dist.comm.nccl_backend import gpu_survey, ranks_problem  # imports without cupy
 
-    return all(connector.allgather(nccl_unavailable_reason() is None))
+    _, problems = gpu_survey(connector)
+    return ranks_problem("backend auto", problems)
 
 
 def _check_backend(backend: str) -> str:

@@ -9,10 +9,11 @@ primitive moves flat, contiguous 1-D buffers. A backend implements only the prim
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from mpi4py import MPI
@@ -20,9 +21,10 @@ from mpi4py import MPI
 from meta_dist.comm import checks, plans
 from meta_dist.comm.checks import DTYPES
 from meta_dist.comm.consistency import ConsistencyCheck, StallWatchdog
+from meta_dist.comm.streams import Ticket
 from meta_dist.comm.worker import CommThreads, Handle
 from meta_dist.connector import MPIConnector
-from meta_dist.xp import data_ptr
+from meta_dist.xp import array_module, data_ptr, is_cupy_array
 
 DEFAULT_STALL_TIMEOUT_S = 300.0
 
@@ -79,6 +81,8 @@ class Communicator(ABC):
         self.fusion = plans.Fusion(self._address)
         self.traffic = plans.Traffic(self.size)  # bytes each operation moved; see plans.Traffic
         self.to_self: queue.Queue = queue.Queue()  # messages this rank sent itself
+        self._device_xp: Any = None  # the call being planned is on CuPy arrays (see _plan)
+        self._stream: Any = None  # the CuPy stream device work runs on (see _device_stream)
         self.closed = False
 
     # ---------------------------------------------------------------- public collectives
@@ -194,11 +198,11 @@ class Communicator(ABC):
         Point to point: only this rank and ``peer`` take part. With the check on, a small header
         (dtype, sizes, shapes) goes first so that a mismatched ``recv`` fails clearly.
         """
-        self._threads.run(plans.send(self, send, peer), "send", peer)
+        self._threads.run(self._p2p(plans.send, send, peer), "send", peer)
 
     def recv(self, out: Any, peer: int) -> Any:
         """Receive into ``out`` (an array or list of arrays) what rank ``peer`` sends; return it."""
-        return self._threads.run(plans.recv(self, out, peer), "recv", peer)
+        return self._threads.run(self._p2p(plans.recv, out, peer), "recv", peer)
 
     def send_async(self, send: Any, peer: int) -> Handle:
         """Start ``send`` and return a Handle at once; see ``send``.
@@ -208,11 +212,11 @@ class Communicator(ABC):
         MPI_Isend/MPI_Irecv would, so two ranks may each start a send to the other and then
         receive without deadlocking. Do not touch ``send`` until ``wait()`` returns.
         """
-        return self._start_p2p("send", plans.send(self, send, peer), peer, send)
+        return self._start_p2p("send", self._p2p(plans.send, send, peer), peer, send)
 
     def recv_async(self, out: Any, peer: int) -> Handle:
         """Start ``recv`` into ``out`` and return a Handle whose ``wait()`` returns it."""
-        return self._start_p2p("recv", plans.recv(self, out, peer), peer, out)
+        return self._start_p2p("recv", self._p2p(plans.recv, out, peer), peer, out)
 
     def barrier(self) -> None:
         """Wait until every rank has reached the barrier. Collective.
@@ -240,12 +244,12 @@ class Communicator(ABC):
             return
         self.verify_calls()  # before anything is torn down: a mismatch still names itself
         self._threads.close()
-        if self._threads.watchdog is not None:
-            self._threads.watchdog.stop()
         self.fusion.clear()
         try:
-            self._close_backend()
+            self._close_backend()  # still watched: it may wait for device work
         finally:  # whatever the backend did, this communicator is done
+            if self._threads.watchdog is not None:
+                self._threads.watchdog.stop()
             self._consistency.close()
             self._check_comm.Free()
             self._check_comm = None
@@ -260,6 +264,7 @@ class Communicator(ABC):
         only (a read-only ``out`` here, say) would leave the others waiting in the check. Told,
         they raise there at once, naming the refusal (see ``ConsistencyCheck.refuse``).
         """
+        self._device_xp = None  # set by _inputs for CuPy arrays
         try:
             run = make(self, *args)
         except Exception as error:  # anything refused before the check
@@ -267,7 +272,54 @@ class Communicator(ABC):
                 reason = f"{type(error).__name__}: {error}"
                 self._threads.run(lambda: self._consistency.refuse(api, reason), api)
             raise
-        return run if self.check else _advised(run, api)
+        run = run if self.check else _advised(run, api)
+        return run if self._device_xp is None else self._on_stream(run)
+
+    def _p2p(self, make: Callable[..., plans.Run], *args: Any) -> plans.Run:
+        """Return ``make(self, *args)`` for a send or receive, on the caller's stream for CuPy.
+
+        Only two ranks take part, so a refusal is this rank's alone: no peers to tell.
+        """
+        self._device_xp = None
+        run = make(self, *args)
+        return run if self._device_xp is None else self._on_stream(run)
+
+    def _on_stream(self, run: plans.Run) -> plans.Run:
+        """Order a CuPy call after its caller's stream, and that stream after it (any thread).
+
+        See ``comm.streams``: the caller's stream is captured now, in the caller's thread.
+        """
+        ticket = Ticket(self._device_xp)
+
+        def on_stream() -> Any:
+            with self._stream_for(ticket):
+                return run()
+
+        on_stream.after = ticket.after  # type: ignore[attr-defined]  (see CommThreads.run)
+        return on_stream
+
+    @contextlib.contextmanager
+    def _stream_for(self, ticket: Ticket) -> Iterator[None]:
+        """Run a call's device work on this communicator's stream, after the caller's."""
+        import cupy
+
+        with cupy.cuda.Device(ticket.device):
+            stream = self._device_stream()
+            stream.wait_event(ticket.ready)
+            with stream:
+                yield
+            ticket.done = stream.record()
+
+    def _device_stream(self) -> Any:
+        """This communicator's own non-blocking stream (made on first use, on this device).
+
+        The MPI backend's copies to and from host buffers run there; the host waits for them.
+        """
+        if self._stream is None:
+            import cupy
+
+            self._stream = cupy.cuda.Stream(non_blocking=True)
+        return self._stream
 
     # ---------------------------------------------------------------- checks on this rank
 
@@ -277,6 +329,8 @@ class Communicator(ABC):
                                "(meta_dist.init() or meta_dist.make_communicator) first")
         sends, is_list = checks.inputs(api, arrays)
         self._check_arrays(api, sends)
+        if is_cupy_array(sends[0]):
+            self._device_xp = array_module(sends[0])
         return sends, is_list
 
     def _outputs(self, api: str, out: Any, sends: list[Any],

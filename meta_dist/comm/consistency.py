@@ -16,7 +16,7 @@ import faulthandler
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -174,7 +174,11 @@ class StallWatchdog:
     Each collective is bracketed by ``enter``/``leave`` (any thread). A daemon thread looks a
     few times per timeout; past it, it prints which collective waited, every thread's stack,
     and calls MPI_Abort, which takes every rank down. A blocked MPI or NCCL call never runs
-    Python code, so the check cannot live in the waiting thread itself.
+    Python code, so the check cannot live in the waiting thread itself. Work that returns to
+    Python before it has finished (NCCL kernels on a stream) is watched through ``probes``:
+    each returns the (name, start time) of its oldest unfinished work, or raises to end the
+    job with its message (an error NCCL reports asynchronously). ``before_abort`` hooks run
+    first when the job is ended (the NCCL communicator aborts itself, freeing its kernels).
 
     Args:
         rank: this rank, for the message.
@@ -184,6 +188,8 @@ class StallWatchdog:
     def __init__(self, rank: int, timeout: float) -> None:
         self.rank, self.timeout = rank, timeout
         self._waiting: dict[int, tuple[str, float]] = {}
+        self.probes: list[Callable[[], tuple[str, float] | None]] = []
+        self.before_abort: list[Callable[[], None]] = []
         self._stop = threading.Event()
         threading.Thread(target=self._watch, name="meta_dist-watchdog", daemon=True).start()
 
@@ -202,15 +208,24 @@ class StallWatchdog:
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.timeout / 4)):
             now = time.monotonic()
-            for api, start in list(self._waiting.values()):
-                if now - start > self.timeout:
-                    self._abort(api, now - start)
+            waiting = list(self._waiting.values())
+            try:
+                waiting += [found for probe in self.probes if (found := probe()) is not None]
+            except Exception as error:  # a probe's report: end the job with its message
+                self._abort(f"[rank {self.rank}] {error}; aborting the job. Stacks:\n")
+            for api, start in waiting:
+                if now - start > self.timeout and not self._stop.is_set():
+                    self._abort(
+                        f"[rank {self.rank}] {api}: waited {self.timeout:.0f} s for the other "
+                        f"ranks to reach this collective ({now - start:.0f} s so far); some "
+                        "rank took another path (different control flow, an uneven last "
+                        "batch) or is stuck; aborting the job. Stacks:\n")
 
-    def _abort(self, api: str, waited: float) -> None:
-        sys.stderr.write(
-            f"[rank {self.rank}] {api}: waited {self.timeout:.0f} s for the other ranks to reach "
-            f"this collective ({waited:.0f} s so far); some rank took another path (different "
-            "control flow, an uneven last batch) or is stuck; aborting the job. Stacks:\n")
+    def _abort(self, message: str) -> None:
+        sys.stderr.write(message)
         sys.stderr.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        for hook in self.before_abort:
+            with contextlib.suppress(Exception):  # ending the job matters more
+                hook()
         MPI.COMM_WORLD.Abort(1)

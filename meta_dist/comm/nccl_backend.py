@@ -10,20 +10,29 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from meta_dist.comm.base import Communicator
+from meta_dist.comm.base import DEFAULT_STALL_TIMEOUT_S, Communicator
+from meta_dist.comm.consistency import StallWatchdog
 from meta_dist.connector import MPIConnector
 from meta_dist.xp import is_cupy_array, select_device
 
 # cupy.cuda.nccl's names for the ncclDataType_t and ncclRedOp_t of each dtype and op, looked up
-# when a communicator is made. avg is summed here: the base divides by size exactly once.
+# when a communicator is made, and their values in nccl.h where a CuPy lacks the name (CuPy 13
+# has no NCCL_AVG). avg is ncclAvg from NCCL 2.10 on: floats are multiplied by 1/size before
+# the sum (src/enqueue.cc), so an fp16 average does not overflow where the sum would; before
+# 2.10 it is a sum that the base divides by size once.
 NCCL_DTYPE_NAMES = {"uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "int64": "NCCL_INT64",
                     "float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32",
                     "float64": "NCCL_FLOAT64", "bfloat16": "NCCL_BFLOAT16"}
-NCCL_OP_NAMES = {"sum": "NCCL_SUM", "avg": "NCCL_SUM", "prod": "NCCL_PROD", "max": "NCCL_MAX",
+NCCL_OP_NAMES = {"sum": "NCCL_SUM", "avg": "NCCL_AVG", "prod": "NCCL_PROD", "max": "NCCL_MAX",
                  "min": "NCCL_MIN"}
+NCCL_H = {"NCCL_UINT8": 1, "NCCL_INT32": 2, "NCCL_INT64": 4, "NCCL_FLOAT16": 6,
+          "NCCL_FLOAT32": 7, "NCCL_FLOAT64": 8, "NCCL_BFLOAT16": 9, "NCCL_SUM": 0,
+          "NCCL_PROD": 1, "NCCL_MAX": 2, "NCCL_MIN": 3, "NCCL_AVG": 4}
+AVG_AND_BF16_VERSION = (2, 10, 0)  # ncclAvg and ncclBfloat16 appeared together
 # CuPy's NcclError knows statuses up to 6 and raises KeyError(7) / KeyError(8) for the rest.
 NCCL_STATUS = {1: "unhandled cuda error", 2: "system error", 3: "internal error",
                4: "invalid argument", 5: "invalid usage", 6: "remote error",
@@ -138,16 +147,26 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _select_gpu(connector: MPIConnector) -> int:
-    """Make this rank's GPU current; raise on every rank if ranks share one NCCL cannot share."""
-    problem, bus = None, None
-    try:
-        device = select_device(connector.local_rank)
-        import cupy
+def gpu_survey(connector: MPIConnector) -> tuple[int, list[str | None]]:
+    """Make this rank's GPU current; return it and why NCCL cannot run on each rank. Collective.
 
-        bus = cupy.cuda.Device(device).pci_bus_id
-    except Exception as error:
-        device, problem = -1, f"selecting a GPU for local rank {connector.local_rank}: {error}"
+    A rank's entry is None where NCCL can run: cupy and libnccl load, a GPU is visible, and no
+    other rank uses the same GPU unless NCCL lets them share it (NCCL >= 2.30 with
+    NCCL_MULTI_RANK_GPU_ENABLE=1, gpu_facts.md 2). Every rank gets the same list, so every rank
+    decides alike (``backend: auto``) or raises alike (``backend: nccl``).
+
+    Returns:
+        This rank's device (-1 where none could be selected) and the per-rank reasons.
+    """
+    problem, device, bus = nccl_unavailable_reason(), -1, None
+    if problem is None:
+        try:
+            device = select_device(connector.local_rank)
+            import cupy
+
+            bus = cupy.cuda.Device(device).pci_bus_id
+        except Exception as error:
+            problem = f"selecting a GPU for local rank {connector.local_rank}: {error}"
     may_share = (os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"
                  and (nccl_version() or (0, 0, 0)) >= MULTI_RANK_GPU_VERSION)
     everyone = connector.allgather((problem, platform.node(), bus, may_share))
@@ -164,26 +183,26 @@ def _select_gpu(connector: MPIConnector) -> int:
                     f"{len(ranks)} ranks on one GPU, expected one GPU per rank; start one rank "
                     "per GPU, set NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL >= 2.30, experimental), "
                     "or use backend: mpi")
-    message = ranks_problem("NcclCommunicator", problems)
-    if message is not None:
-        raise RuntimeError(message)
-    return device
+    return device, problems
 
 
 class NcclCommunicator(Communicator):
     """Communicator on CuPy arrays through NCCL. See ``Communicator`` for every collective.
 
-    Streams: the communicator owns a non-blocking CUDA stream. Each primitive records an event
-    on the caller's current stream and makes the NCCL stream wait on it (NCCL reads inputs only
-    after the kernels that wrote them), enqueues NCCL there, records a done event, and makes
-    the current stream wait on that (later kernels, copies and ``.get()`` see the result and
-    never overwrite a buffer NCCL still uses). Arrays stay referenced until their done event
-    has fired: CuPy's memory pool is per stream and would hand a freed block to another
-    allocation while NCCL still reads it. With ``stall_timeout`` set (the default) each
-    primitive then waits on the host for its done event, polling NCCL for asynchronous errors;
-    past 0.9 x the deadline it aborts the communicator and raises RuntimeError (before the
-    process watchdog would end the job). With
-    ``stall_timeout=None`` a primitive returns once its work is enqueued.
+    Streams (``comm.streams``): the communicator owns a non-blocking CUDA stream. A call made
+    on the caller's current stream S runs after everything enqueued on S before the call (an
+    event), all its device work (packing a list, NCCL, averaging, unpacking) goes on the
+    communicator's stream, and S waits for it when the caller takes the result: the return of
+    a blocking call, or ``Handle.wait()``. The host does not wait for NCCL, except in
+    ``barrier`` and ``close``: a collective returns once enqueued, so compute and communication
+    overlap. Arrays stay referenced until their work has finished: CuPy's memory pool is per
+    stream and would hand a freed block to another allocation while NCCL still reads it.
+
+    Hangs and errors: NCCL has no timeouts. With ``stall_timeout`` (the default) the
+    communicator's watchdog also watches its unfinished NCCL work and polls NCCL for
+    asynchronous errors; work older than the timeout, or an error, prints what waited and
+    every thread's stack, aborts the NCCL communicator and ends the job (MPI_Abort). The
+    communicator's creation (ncclCommInitRank waits for every rank) is watched the same way.
 
     Each rank uses GPU ``local_rank % gpu_count()`` (respecting CUDA_VISIBLE_DEVICES). Ranks
     may share a GPU only with NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1 (experimental).
@@ -201,17 +220,26 @@ class NcclCommunicator(Communicator):
     backend_name = "nccl"
 
     def __init__(self, connector: MPIConnector, *, stream: Any = None, **kwargs: Any) -> None:
-        _agree(connector, "make_communicator('nccl')", nccl_unavailable_reason())
-        self.device = _select_gpu(connector)
+        self.device, problems = gpu_survey(connector)
+        message = ranks_problem("make_communicator('nccl')", problems)
+        if message is not None:
+            raise RuntimeError(message)
         import cupy
         from cupy.cuda import nccl
 
         uid = broadcast_unique_id(connector)
         comm, problem = None, None
+        timeout = kwargs.get("stall_timeout", DEFAULT_STALL_TIMEOUT_S)
+        init_watch = StallWatchdog(connector.rank, timeout) if timeout else None
         try:
+            if init_watch is not None:
+                init_watch.enter("NCCL communicator creation (ncclCommInitRank)")
             comm = nccl.NcclCommunicator(connector.size, uid, connector.rank)
         except Exception as error:
             problem = f"ncclCommInitRank failed: {_describe(error)}"
+        finally:
+            if init_watch is not None:
+                init_watch.stop()
         try:
             _agree(connector, "NcclCommunicator", problem)
             super().__init__(connector, **kwargs)
@@ -220,13 +248,24 @@ class NcclCommunicator(Communicator):
                 comm.abort()
             raise
         self._cupy, self._nccl, self._comm = cupy, nccl, comm
-        self._dtypes = {name: getattr(nccl, code) for name, code in NCCL_DTYPE_NAMES.items()
-                        if hasattr(nccl, code)}  # NCCL_BFLOAT16 only where CuPy names it
-        self._ops = {name: getattr(nccl, code) for name, code in NCCL_OP_NAMES.items()}
+        self.version = nccl_version() or (0, 0, 0)
+        new = self.version >= AVG_AND_BF16_VERSION
+        self._dtypes = {name: getattr(nccl, code, NCCL_H[code])
+                        for name, code in NCCL_DTYPE_NAMES.items()
+                        if name != "bfloat16" or new}
+        self._ops = {name: getattr(nccl, code, NCCL_H[code])
+                     for name, code in NCCL_OP_NAMES.items()}
+        if not new:  # no ncclAvg: a sum, divided by the base
+            self._ops["avg"] = self._ops["sum"]
         self._stream = cupy.cuda.Stream(non_blocking=True) if stream is None else stream
         self._token = cupy.zeros(1, cupy.float32)  # barrier's one-element allreduce
-        self._in_flight: list[tuple[Any, tuple[Any, ...]]] = []
+        # (done event, arrays it uses, operation, when it was enqueued), oldest first
+        self._in_flight: deque[tuple[Any, tuple[Any, ...], str, float]] = deque()
         self._aborted = False
+        watchdog = self._threads.watchdog
+        if watchdog is not None:
+            watchdog.probes.append(self._oldest_unfinished)
+            watchdog.before_abort.append(self._abort)
 
     # ---------------------------------------------------------------- primitives
 
@@ -263,19 +302,14 @@ class NcclCommunicator(Communicator):
         token = self._token
         done = self._launch("barrier", (token,), 1, lambda s: self._comm.allReduce(
             token.data.ptr, token.data.ptr, 1, self._dtypes["float32"], self._ops["sum"], s))
-        if done is not None and self.stall_timeout is None:
-            done.synchronize()  # a barrier returns only when every rank has arrived
+        self._host_wait(done)  # a barrier returns only when every rank has arrived
 
     def _close_backend(self) -> None:
         if self._comm is None:
             return
         try:
             if not self._aborted:
-                done = self._stream.record()
-                if self.stall_timeout is None:
-                    done.synchronize()
-                else:
-                    self._wait("close", done)  # destroy would block on unfinished work
+                self._host_wait(self._stream.record())  # destroy would block on unfinished work
                 self._comm.destroy()
         except Exception as error:
             self._abort()
@@ -284,6 +318,11 @@ class NcclCommunicator(Communicator):
         finally:
             self._comm = None
             self._in_flight.clear()
+
+    def _average(self, flat: Any, op: str) -> None:
+        """Divide by size only where NCCL has no ncclAvg (before 2.10): it averaged already."""
+        if self._ops["avg"] == self._ops["sum"]:
+            super()._average(flat, op)
 
     # ---------------------------------------------------------------- checks, streams, watchdog
 
@@ -299,6 +338,11 @@ class NcclCommunicator(Communicator):
                     f"{api}: array is on GPU {a.device.id} (rank {self.rank}); expected GPU "
                     f"{self.device}, this rank's (local_rank % gpu_count()); allocate it under "
                     f"cupy.cuda.Device({self.device})")
+            if a.dtype.name not in self._dtypes:
+                raise TypeError(
+                    f"{api}: {a.dtype.name} needs NCCL >= 2.10; got NCCL "
+                    f"{'.'.join(map(str, self.version))}; install a newer nvidia-nccl wheel, "
+                    "or use backend: mpi")
 
     def _async_p2p_problem(self, arrays: Any) -> str | None:
         return ("the nccl backend has no independent point-to-point operations (one NCCL "
@@ -316,17 +360,17 @@ class NcclCommunicator(Communicator):
 
     def _launch(self, api: str, arrays: tuple[Any, ...], count: int,
                 enqueue: Callable[[int], None]) -> Any:
-        """Enqueue one NCCL call behind the current stream's work; return its done event."""
+        """Enqueue one NCCL call on this communicator's stream; return its done event."""
         if self._aborted or self._comm is None:
             raise RuntimeError(f"{api}: the NCCL communicator of rank {self.rank} was aborted "
                                "after an earlier failure; create a new communicator")
         self._check_arrays(api, list(arrays))  # out= arrays reach here unchecked by the base
         if count == 0:
             return None
-        cupy = self._cupy
-        with cupy.cuda.Device(self.device):
-            current = cupy.cuda.get_current_stream()
-            self._stream.wait_event(current.record())
+        with self._cupy.cuda.Device(self.device):
+            current = self._cupy.cuda.get_current_stream()
+            if current.ptr != self._stream.ptr:  # called outside _stream_for (barrier, close)
+                self._stream.wait_event(current.record())
             try:
                 enqueue(self._stream.ptr)
             except Exception as error:
@@ -334,35 +378,35 @@ class NcclCommunicator(Communicator):
                 raise RuntimeError(f"nccl {api} failed on rank {self.rank}: {_describe(error)}; "
                                    f"{ABORTED}") from error
             done = self._stream.record()
-            current.wait_event(done)
-        self._in_flight = [(e, a) for e, a in self._in_flight if not e.done]
-        self._in_flight.append((done, arrays))
-        if self.stall_timeout is not None:
-            self._wait(api, done)
+        while self._in_flight and self._in_flight[0][0].done:
+            self._in_flight.popleft()
+        self._in_flight.append((done, arrays, api, time.monotonic()))
         return done
 
-    def _wait(self, api: str, done: Any) -> None:
-        """Poll ``done`` and NCCL's async error; abort and raise on an error or a stall."""
-        # 0.9 x the watchdog's timeout: this loop can name NCCL's state and abort the
-        # communicator cleanly; the process watchdog (MPI_Abort) stays the last resort
-        deadline, pause = time.monotonic() + 0.9 * self.stall_timeout, 1e-5
+    def _host_wait(self, done: Any) -> None:
+        """Wait on the host for ``done`` (the watchdog, if any, ends a stall)."""
+        if done is None:
+            return
+        pause = 1e-5
         while not done.done:
-            try:
-                self._comm.check_async_error()
-            except Exception as error:  # NcclError, or KeyError for statuses CuPy cannot name
-                self._abort()
-                raise RuntimeError(f"nccl {api} failed on rank {self.rank}: {_describe(error)}; "
-                                   f"{ABORTED}") from error
-            if time.monotonic() > deadline:
-                self._abort()
-                raise RuntimeError(
-                    f"nccl {api} stalled on rank {self.rank}: not finished after "
-                    f"{0.9 * self.stall_timeout:g} s and NCCL reports no error; some rank did "
-                    "not call "
-                    f"the same collective, or is stuck; {ABORTED}")
             time.sleep(pause)  # a host core spinning here would slow the peers sharing it
             pause = min(2 * pause, 1e-3)
-        self._in_flight.clear()  # the stream is in order: everything before done has finished
+
+    def _oldest_unfinished(self) -> tuple[str, float] | None:
+        """The watchdog's probe: NCCL's asynchronous error, else the oldest unfinished call."""
+        comm = self._comm
+        if comm is None or self._aborted:
+            return None
+        try:
+            comm.check_async_error()
+        except Exception as error:  # NcclError, or KeyError for statuses CuPy cannot name
+            raise RuntimeError(f"NCCL reported an error on rank {self.rank}: "
+                               f"{_describe(error)}; NCCL_DEBUG=WARN shows NCCL's own log"
+                               ) from error
+        for done, _, api, start in list(self._in_flight):
+            if not done.done:
+                return f"nccl {api}", start
+        return None
 
     def _abort(self) -> None:
         if self._comm is not None and not self._aborted:

@@ -14,10 +14,16 @@ from typing import Any
 
 
 class Handle:
-    """A pending asynchronous operation; ``wait()`` returns its result (or raises its error)."""
+    """A pending asynchronous operation; ``wait()`` returns its result (or raises its error).
 
-    def __init__(self, future: Future) -> None:
-        self._future = future
+    Args:
+        future: the operation's Future.
+        after: run in the waiting thread once the operation has finished (device work: the
+            caller's stream then waits for the communicator's; see ``comm.streams``).
+    """
+
+    def __init__(self, future: Future, after: Callable[[], None] | None = None) -> None:
+        self._future, self._after = future, after
 
     def done(self) -> bool:
         """Return True when the operation has finished (successfully or not)."""
@@ -25,7 +31,10 @@ class Handle:
 
     def wait(self) -> Any:
         """Block until the operation has finished and return its result."""
-        return self._future.result()
+        result = self._future.result()
+        if self._after is not None:
+            self._after()
+        return result
 
 
 class OrderedWorker:
@@ -41,10 +50,10 @@ class OrderedWorker:
                                             initializer=on_start)
         self._last: Future | None = None
 
-    def submit(self, run: Callable[[], Any]) -> Handle:
-        """Queue ``run`` and return its Handle."""
+    def submit(self, run: Callable[[], Any], after: Callable[[], None] | None = None) -> Handle:
+        """Queue ``run`` and return its Handle (``after``: see Handle)."""
         self._last = self._executor.submit(run)
-        return Handle(self._last)
+        return Handle(self._last, after)
 
     def idle(self) -> bool:
         """Return True when nothing is queued or running (a blocking call may run at once)."""
@@ -74,27 +83,35 @@ class CommThreads:
         self._p2p: dict[tuple[str, int], OrderedWorker] = {}  # (send|recv, peer) -> thread
 
     def run(self, call: Callable[[], Any], api: str, peer: int | None = None) -> Any:
-        """Run ``call`` now, or behind the queued work it must not overtake; return its result."""
+        """Run ``call`` now, or behind the queued work it must not overtake; return its result.
+
+        A ``call.after`` (see Handle) runs in this thread once the call has finished.
+        """
+        after = getattr(call, "after", None)
         worker = self._collectives if peer is None else self._p2p.get((api, peer))
         if worker is not None and not worker.idle():
-            return worker.submit(self._watched(call, api)).wait()
+            return worker.submit(self._watched(call, api), after).wait()
         watchdog = self.watchdog
-        if watchdog is None:
-            return call()
-        watchdog.enter(api)  # as _watched does, without a closure: this is every blocking call
+        if watchdog is not None:  # as _watched does, without a closure: every blocking call
+            watchdog.enter(api)
         try:
-            return call()
+            result = call()
         finally:
-            watchdog.leave()
+            if watchdog is not None:
+                watchdog.leave()
+        if after is not None:
+            after()
+        return result
 
     def start(self, call: Callable[[], Any], api: str, peer: int | None = None) -> Handle:
         """Queue ``call`` on the collectives' thread (or the peer's) and return its Handle."""
+        after = getattr(call, "after", None)
         if peer is None:
-            return self._collectives.submit(self._watched(call, api))
+            return self._collectives.submit(self._watched(call, api), after)
         key = (api, peer)
         if key not in self._p2p:
             self._p2p[key] = OrderedWorker(self._on_start)
-        return self._p2p[key].submit(self._watched(call, api))
+        return self._p2p[key].submit(self._watched(call, api), after)
 
     def close(self) -> None:
         """Finish the queued work and stop the threads."""

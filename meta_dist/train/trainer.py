@@ -125,6 +125,8 @@ class Trainer:
         self.comm = (self.context.communicator_for(first) if backend == "auto"
                      else self.context.communicator(backend))
         del first  # the flat buffer replaces every parameter array; none may outlive the copy
+        if self.xp is not np and self.log is not None:
+            self.log.write(self.context.device_route(self.comm) + "\n")
         self.overlap = resolve_overlap(config.dist.overlap_comm, self.xp, self.context)
         self.stage = self._make_stage(STAGES[config.dist.zero_opt_level])
         self.stage.attach()

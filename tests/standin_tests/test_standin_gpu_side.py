@@ -1,0 +1,58 @@
+"""meta_dist's GPU side on the CuPy/NCCL stand-in: the GPU tests of tests/mpi, at 1-4 ranks.
+
+These prove the logic of the GPU path (NCCL backend, host staging, CUDA-aware selection, every
+ZeRO level on CuPy arrays, the GPU memory report) on every CI run without a GPU; they say
+nothing about its speed. The ranks import the stand-in as ``cupy`` (install.standin_env) and
+model four GPUs per host; a test that skips for want of a GPU fails here, since the stand-in
+exists so that they run.
+"""
+
+import re
+import time
+
+import pytest
+from mpirun import mpi_env, run
+from standin_install import standin_env
+
+pytestmark = pytest.mark.gpu_standin
+
+GPU_TESTS = ["tests/mpi/test_nccl.py", "tests/mpi/test_zero_gpu.py", "tests/mpi/test_staging.py"]
+SUITE_TIMEOUT_S = 300
+STALL_TIMEOUT_S = 3  # tests/scripts/nccl_stall.py's
+NO_GPU_SKIP = re.compile(r"SKIPPED.*(needs NCCL and a GPU|needs a GPU per rank|needs cupy)")
+
+
+def standin_job_env(tmp_path, **extra):
+    return standin_env(mpi_env(META_DIST_STANDIN_DEVICES="4",
+                               META_DIST_STANDIN_RENDEZVOUS=str(tmp_path), **extra))
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_gpu_tests_pass_on_standin(ranks, tmp_path):
+    env = standin_job_env(tmp_path, META_DIST_MPI_SUITE="1")
+    result = run(ranks, ["-m", "mpi4py", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                         "-o", "faulthandler_timeout=60", *GPU_TESTS],
+                 timeout=SUITE_TIMEOUT_S, env=env)
+    assert result.returncode == 0 and not result.timed_out, str(result)
+    assert " passed" in result.output, str(result)
+    assert not NO_GPU_SKIP.search(result.output), f"GPU tests skipped on the stand-in:\n{result}"
+
+
+@pytest.mark.parametrize(("mode", "extra", "said"), [
+    ("stall", {}, r"\[rank 0\] nccl allreduce: waited 3 s"),
+    ("error", {"META_DIST_STANDIN_NCCL_ASYNC_ERROR": "0:2:3"},
+     r"NCCL reported an error on rank 0: .*internal error"),
+    ("init", {}, r"NCCL communicator creation \(ncclCommInitRank\): waited 3 s"),
+])
+def test_stalled_nccl_ends_the_job_on_standin(mode, extra, said, tmp_path):
+    """A peer that never joins an NCCL call (NCCL has no timeout), an error NCCL reports
+    asynchronously, and an init some rank never finishes each end the job, saying what waited,
+    within the stall timeout + 10 s; the host never blocked inside NCCL to notice."""
+    started = time.monotonic()
+    result = run(3, ["tests/scripts/nccl_stall.py", mode], timeout=60,
+                 env=standin_job_env(tmp_path, **extra))
+    took = time.monotonic() - started
+    assert result.returncode != 0 and not result.timed_out, str(result)
+    assert re.search(said, result.output), str(result)
+    assert "unreachable" not in result.output, str(result)
+    assert took < STALL_TIMEOUT_S + 10, f"took {took:.1f} s\n{result}"
