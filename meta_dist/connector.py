@@ -8,7 +8,6 @@ collective.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from mpi4py import MPI
@@ -113,9 +112,7 @@ class MPIConnector:
 
     def abort(self, code: int = 1) -> None:
         """Terminate every rank of the job now with exit status ``code`` (MPI_Abort)."""
-        sys.stdout.flush()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(code)
+        failfast.end_job(code)
 
     def close(self) -> None:
         """Free the connector's communicators; later calls raise RuntimeError. Collective."""

@@ -16,8 +16,10 @@ wrapped to learn n: an exit handler cannot see it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
+import time
 import traceback
 import weakref
 from typing import Any
@@ -84,7 +86,7 @@ def _abort_on_exception(exc_type: type, exc: BaseException, tb: Any) -> None:
     # return (torch.distributed's prefixes each line with the rank): we never return
     if sys.stderr is not sys.__stderr__ and sys.__stderr__ is not None:
         sys.__stderr__.write(report)
-    _end_job(1)
+    end_job(1)
 
 
 def _end_job_if_leaving_early() -> None:
@@ -94,14 +96,24 @@ def _end_job_if_leaving_early() -> None:
         return
     sys.stderr.write(f"[rank {_rank()}] exits with code {code} while the job is running; "
                      "ending the job\n")
-    _end_job(code)
+    end_job(code)
 
 
-def _end_job(code: int) -> None:
-    """MPI_Abort(code) on the world, starting MPI first if needed (then every rank is in)."""
+OUTPUT_GRACE_S = 0.5  # time for the launcher to forward what this rank wrote before the abort
+
+
+def end_job(code: int) -> None:
+    """MPI_Abort(code) on the world, starting MPI first if needed (then every rank is in).
+
+    The output is flushed and given OUTPUT_GRACE_S to reach the launcher first: MPICH's Hydra
+    tears the job down on an abort without draining the ranks' pipes, and on a loaded machine
+    a report written just before was seen lost whole.
+    """
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         if stream is not None:
-            stream.flush()
+            with contextlib.suppress(Exception):  # a closed or broken stream: abort anyway
+                stream.flush()
+    time.sleep(OUTPUT_GRACE_S)
     try:
         from mpi4py import MPI  # starts MPI if nothing did yet
     except Exception:  # no MPI to end the job with: leave like any process

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+import meta_dist.failfast as failfast
 from meta_dist.xp import is_cupy_array
 
 KINDS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "send", "recv")
@@ -228,4 +229,4 @@ class StallWatchdog:
         for hook in self.before_abort:
             with contextlib.suppress(Exception):  # ending the job matters more
                 hook()
-        MPI.COMM_WORLD.Abort(1)
+        failfast.end_job(1)
