@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpi4py import MPI
+from meta_dist.lazy_mpi import MPI
 
 import meta_dist.failfast as failfast
 

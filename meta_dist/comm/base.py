@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from mpi4py import MPI
+from meta_dist.lazy_mpi import MPI
 
 from meta_dist.comm import checks, plans
 from meta_dist.comm.checks import DTYPES

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
+from meta_dist.lazy_mpi import MPI
 
 import meta_dist.failfast as failfast
 from meta_dist.xp import is_cupy_array

@@ -21,7 +21,7 @@ import itertools
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
+from meta_dist.lazy_mpi import MPI
 
 from meta_dist.comm.base import Communicator
 from meta_dist.comm.checks import DTYPES
@@ -29,13 +29,13 @@ from meta_dist.comm.staging import HostStaging, cuda_aware_requested, staged
 from meta_dist.connector import MPIConnector
 from meta_dist.xp import array_module, data_ptr, gpu_count, select_device
 
-MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
+MPI_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN", "prod": "PROD"}  # MPI's names
 UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 # Open MPI 5.0's MPI_SUM on MPI_UNSIGNED_CHAR saturates at 255 (seen with the PyPI wheel) where
 # numpy and C wrap modulo 256, and MPI has no bfloat16 at all: these dtypes are always reduced
 # by numpy in the pairwise path (bfloat16 travels as its 16 raw bits).
 NUMPY_REDUCED_DTYPES = (np.dtype(np.uint8),) + tuple(
-    d for d in DTYPES if d.char not in MPI._typedict)
+    d for d in DTYPES if d.name == "bfloat16")  # MPI has no bfloat16
 PAIRWISE_MIN_BYTES = {"allreduce": 16 * 2**20, "reduce_scatter": 128 * 1024}
 SEGMENT_BYTES = 512 * 1024
 # Tags: the pairwise exchange uses Sendrecv on the communicator that also carries the user's
@@ -64,6 +64,7 @@ class MpiCommunicator(Communicator):
         self.staging = HostStaging(cuda_aware=cuda_aware_requested())
         super().__init__(connector, **kwargs)
         self._comm: MPI.Comm = connector.comm.Dup()
+        self._ops = {name: getattr(MPI, mpi_name) for name, mpi_name in MPI_OPS.items()}
         self._scratch: dict[tuple[str, np.dtype], Any] = {}
 
     def _call_settings(self) -> dict[str, Any]:
@@ -96,7 +97,7 @@ class MpiCommunicator(Communicator):
             if recv is not send:  # the standard asks every rank for MPI_IN_PLACE, or none
                 recv[...] = send
             if self.size > 1:
-                self._comm.Allreduce(MPI.IN_PLACE, recv, op=MPI_OPS[op])
+                self._comm.Allreduce(MPI.IN_PLACE, recv, op=self._ops[op])
             return
         bounds = chunk_bounds(send.size, self.size)
         self._pairwise_reduce(send, recv[bounds[self.rank] : bounds[self.rank + 1]], bounds, op)
@@ -115,10 +116,10 @@ class MpiCommunicator(Communicator):
             self._pairwise_reduce(send, recv, [r * recv.size for r in range(self.size + 1)], op)
         elif in_place:  # MPI_IN_PLACE means rows 0..m of send there: reduce into scratch
             scratch = self._scratch_buffer(recv, recv.size)[: recv.size]
-            self._comm.Reduce_scatter_block(send, scratch, op=MPI_OPS[op])
+            self._comm.Reduce_scatter_block(send, scratch, op=self._ops[op])
             recv[...] = scratch
         else:
-            self._comm.Reduce_scatter_block(send, recv, op=MPI_OPS[op])
+            self._comm.Reduce_scatter_block(send, recv, op=self._ops[op])
 
     @staged("allgather")
     def _allgather(self, send: Any, recv: Any) -> None:
@@ -144,9 +145,9 @@ class MpiCommunicator(Communicator):
             if recv is not send:
                 recv[...] = send
             if self.size > 1:
-                self._comm.Reduce(MPI.IN_PLACE, recv, op=MPI_OPS[op], root=root)
+                self._comm.Reduce(MPI.IN_PLACE, recv, op=self._ops[op], root=root)
         else:
-            self._comm.Reduce(send, None, op=MPI_OPS[op], root=root)
+            self._comm.Reduce(send, None, op=self._ops[op], root=root)
 
     @staged("send")
     def _send(self, buf: Any, peer: int) -> None:

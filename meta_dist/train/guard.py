@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from meta_dist.train.scaler import LossScaler
+from meta_dist.train.scaler import LossScaler, ScaleFloorError
 from meta_dist.xp import array_module, to_numpy
 
 WIDEN_BLOCK = 1 << 16  # elements widened to float32 at a time for a narrow gradient's norm
@@ -102,9 +102,9 @@ class StepGuard:
             where: the step, for messages ("epoch 2 step 5").
 
         Raises:
-            NonFiniteError: mode stop and the step was not finite, or mode skip and too many
-                steps in a row were skipped.
-            ScaleFloorError: fp16 steps keep overflowing with the scale at its floor.
+            NonFiniteError: mode stop and the step was not finite, mode skip and too many
+                steps in a row were skipped, or (fp16) steps keep overflowing with the loss
+                scale at its floor or fixed (the scaler's ScaleFloorError, in the message).
         """
         if self._flags is None:
             return
@@ -112,7 +112,10 @@ class StepGuard:
         self._flags = None
         if self.scaler is not None:
             self.skipped += bad
-            self.scaler.update(not bad)
+            try:
+                self.scaler.update(not bad)
+            except ScaleFloorError as stuck:  # every rank has the same verdict: all come here
+                self._fail(where, f"; {stuck}")
         elif not bad:
             self._in_a_row = 0
         elif self.mode == "skip":

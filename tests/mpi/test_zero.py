@@ -333,29 +333,34 @@ def test_ranks_with_different_configs_refuse_to_train(contexts):
 
 
 @pytest.mark.parametrize("level", [0, 2])
-@pytest.mark.parametrize("mode", ["stop", "skip"])
+@pytest.mark.parametrize("mode", ["stop", "skip", "ignore"])
 def test_a_nan_in_one_ranks_input(contexts, level, mode):
     """A NaN in one input row of the last rank: 'stop' raises on every rank naming the step and
     the rank; 'skip' leaves that step's update out on every rank and counts it."""
     world, _ = contexts
     config = load_config({"optimizer": "sgd", "lr": 0.1, "batch_size": GLOBAL_BATCH,
-                          "n_epoch": 1, "n_mini_batch": STEPS, "dtype": "float64"},
+                          "n_epoch": 1, "n_mini_batch": STEPS, "dtype": "float32"},
                          {"zero_opt_level": level, "nonfinite": mode, "backend": "mpi",
                           "device": "cpu"})
-    x, y, _ = data("classifier", "float64")
+    x, y, _ = data("classifier", "float32")
     bad = world.size - 1
     order = np.random.default_rng([0, 0]).permutation(len(x))  # the sampler's epoch 0
     row = order[GLOBAL_BATCH + bad * (GLOBAL_BATCH // world.size)]  # step 2, last rank's first
     x = x.copy()
     x[row, 1] = np.nan
-    trainer = trainer_on(world, "classifier", config, "float64", softmax_cross_entropy)
+    trainer = trainer_on(world, "classifier", config, "float32", softmax_cross_entropy)
     if mode == "stop":
         with pytest.raises(NonFiniteError, match=rf"non-finite loss at epoch 1 step 2: on rank "
                                                  rf"{bad} \(rank {bad}: nan\)"):
             trainer.fit(x, y)
         return
     losses = trainer.fit(x, y)
-    assert trainer.guard.skipped == 1 and np.isnan(losses[0])
+    assert np.isnan(losses[0])
+    if mode == "ignore":  # no guard at all: the NaN reaches the weights, on every rank alike
+        assert trainer.guard is None
+        assert not all(np.isfinite(p).all() for p in trainer.parameters().values())
+        return
+    assert trainer.guard.skipped == 1
     assert all(np.isfinite(p).all() for p in trainer.parameters().values())
     assert same_on_every_rank(world.connector, trainer.stage.full_params())
 
@@ -423,6 +428,29 @@ def test_fp16_overflow_skips_the_same_step_on_every_rank(contexts):
     assert trainer.guard.skipped == 1 and trainer.scaler.scale == scale / 2
     assert same_on_every_rank(world.connector, np.array([trainer.scaler.scale]))
     assert np.isfinite(trainer.stage.full_params().astype(np.float32)).all()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fp16_loss_that_stays_non_finite_stops_like_fp32(contexts):
+    """With the loss scale fixed (or at its floor), NaNs in the last rank's input at steps 2
+    and 3 are two overflowing steps in a row: with max_skipped_steps 2 the job stops on every
+    rank the way fp32 does, naming non-finite, the step and the rank."""
+    world, _ = contexts
+    x, y, loss_fn = data("deep", "float32")
+    x = x.copy()
+    order = np.random.default_rng([0, 0]).permutation(len(x))
+    last = (world.size - 1) * (GLOBAL_BATCH // world.size)
+    for step in (1, 2):  # 0-based: steps 2 and 3
+        x[order[step * GLOBAL_BATCH + last], 1] = np.nan
+    config = load_config({"optimizer": "adam", "lr": 0.01, "batch_size": GLOBAL_BATCH,
+                          "precision": "fp16", "loss_scale": 128, "n_epoch": 1,
+                          "n_mini_batch": STEPS},
+                         {"zero_opt_level": 2, "bucket_size_mb": 2e-4, "backend": "mpi",
+                          "device": "cpu", "max_skipped_steps": 2})
+    trainer = trainer_on(world, "deep", config, "float32", loss_fn)
+    with pytest.raises(NonFiniteError, match=rf"non-finite loss at epoch 1 step 3: on rank "
+                                             rf"{world.size - 1} .*2 steps in a row overflowed"):
+        trainer.fit(x, y)
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -10,12 +10,13 @@ ALLOWED = {
     "meta_dist.xp": set(),
     "meta_dist.config": set(),
     "meta_dist.failfast": set(),
+    "meta_dist.lazy_mpi": set(),
     "meta_dist.checkpoint": set(),
-    "meta_dist.connector": {"meta_dist.failfast"},
+    "meta_dist.connector": {"meta_dist.failfast", "meta_dist.lazy_mpi"},
     "meta_dist.nn": {"meta_dist.xp", "meta_dist.nn"},
     "meta_dist.optim": {"meta_dist.xp", "meta_dist.optim"},
     "meta_dist.comm": {"meta_dist.comm", "meta_dist.connector", "meta_dist.failfast",
-                       "meta_dist.xp"},
+                       "meta_dist.lazy_mpi", "meta_dist.xp"},
     "meta_dist.distributed": {"meta_dist.comm", "meta_dist.connector", "meta_dist.config",
                               "meta_dist.xp"},
     "meta_dist.zero": {"meta_dist.zero", "meta_dist.comm", "meta_dist.nn", "meta_dist.optim",
@@ -68,15 +69,19 @@ def test_leaves_do_not_import_mpi():
 
 
 def test_importing_meta_dist_starts_no_mpi():
-    """MPI starts with the context, not on import: a rank that fails before dist.init() then
-    exits like any process (tests/test_launch.py ends such jobs under both MPIs)."""
+    """MPI starts with the context, not on import, whichever part is imported (every module of
+    the package here): a rank that fails before dist.init() then exits like any process
+    (tests/test_launch.py ends such jobs under both MPIs)."""
     import subprocess
     import sys
 
-    code = ("import sys\n"
-            "import meta_dist, meta_dist.nn.layers, meta_dist.train, meta_dist.zero\n"
-            "import meta_dist.config, meta_dist.optim\n"
-            "from meta_dist import distributed as dist\n"
+    code = ("import importlib, pkgutil, sys\n"
+            "import meta_dist\n"
+            "names = [m.name for m in pkgutil.walk_packages(meta_dist.__path__, 'meta_dist.')]\n"
+            "for name in names:\n"
+            "    if name != 'meta_dist.__main__':\n"
+            "        importlib.import_module(name)\n"
+            "assert 'meta_dist.comm.mpi_backend' in sys.modules, names\n"
             "print(sorted(m for m in sys.modules if m.startswith('mpi4py.')))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=PACKAGE.parent, timeout=120, check=False)

@@ -1,0 +1,33 @@
+"""``MPI``: mpi4py.MPI, imported (which starts MPI) on first use instead of on import.
+
+Leaf module: standard library only. Importing mpi4py.MPI initialises MPI, and a rank that fails
+after that but before its job has formed blocks in MPI's finalize and hangs its peers. So
+meta_dist's modules write ``from meta_dist.lazy_mpi import MPI`` and touch ``MPI`` only inside
+functions: importing any part of meta_dist starts no MPI; the first connector
+(``dist.init()``, ``get_context()``, ``MPIConnector()``) does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class _LazyMPI:
+    """Stands for the mpi4py.MPI module; imports it at the first attribute read.
+
+    Each attribute read once is then stored on this object, so later reads cost what a module
+    attribute costs (``__getattr__`` runs only for names not yet stored).
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        from mpi4py import MPI  # noqa: PLC0415 - the point of this module
+
+        value = getattr(MPI, name)
+        setattr(self, name, value)
+        return value
+
+    def __repr__(self) -> str:
+        return "<mpi4py.MPI, imported on first use>"
+
+
+MPI: Any = _LazyMPI()
