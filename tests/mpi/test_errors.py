@@ -244,12 +244,18 @@ def test_mismatch_names_the_field_and_each_ranks_value(comm, field):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_without_the_per_call_check_a_mismatch_still_surfaces(connector):
-    """check=False compares no call before it runs (one op differs here: MPI computes without
-    complaint), but the next barrier compares the calls made since and fails on every rank."""
+@pytest.mark.parametrize("differs", ["op", "dtype"])
+def test_without_the_per_call_check_a_mismatch_still_surfaces(connector, differs):
+    """check=False compares no call before it runs (an op, or a dtype of the same width,
+    differs here: MPI computes without complaint), but the next barrier compares the calls
+    made since and fails on every rank."""
     comm = make_communicator("mpi", connector, check=False)
+    first = comm.rank == 0
     try:
-        comm.allreduce(np.ones(4), op="sum" if comm.rank == 0 else "max")
+        if differs == "op":
+            comm.allreduce(np.ones(4), op="sum" if first else "max")
+        else:
+            comm.allreduce(np.ones(4, np.float32 if first else np.int32))
         with pytest.raises(ValueError, match="calls since the last comparison differed.*run "
                                              "with META_DIST_CHECK=1"):
             comm.barrier()
