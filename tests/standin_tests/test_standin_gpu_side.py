@@ -38,6 +38,19 @@ def test_gpu_tests_pass_on_standin(ranks, tmp_path):
     assert not NO_GPU_SKIP.search(result.output), f"GPU tests skipped on the stand-in:\n{result}"
 
 
+def test_ranks_sharing_a_gpu_take_mpi_on_standin(tmp_path):
+    """Two ranks and one modeled GPU: backend auto must choose MPI with host staging and say
+    why (NCCL 2.28 refuses two ranks on one device). Needs fewer GPUs than ranks, which the
+    4-device runs above never have, so it runs here on its own and must not skip."""
+    env = standin_env(mpi_env(META_DIST_STANDIN_DEVICES="1", META_DIST_MPI_SUITE="1",
+                              META_DIST_STANDIN_RENDEZVOUS=str(tmp_path)))
+    result = run(2, ["-m", "mpi4py", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                     "tests/mpi/test_nccl.py::test_auto_uses_mpi_where_ranks_share_a_gpu"],
+                 timeout=SUITE_TIMEOUT_S, env=env)
+    assert result.returncode == 0 and not result.timed_out, str(result)
+    assert "1 passed" in result.output and "skipped" not in result.output, str(result)
+
+
 @pytest.mark.parametrize(("mode", "extra", "said"), [
     ("stall", {}, r"\[rank 0\] nccl allreduce: waited 3 s"),
     ("error", {"META_DIST_STANDIN_NCCL_ASYNC_ERROR": "0:2:3"},
