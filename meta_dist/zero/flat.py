@@ -30,12 +30,16 @@ class FlatModel:
             parameters made from the model's own values before they are rounded to ``dtype``
             (a ZeRO stage keeps its shard of it); None when it would equal ``dtype``.
         isolate_cut_layers: see ``partition.plan`` (ZeRO-3 asks for it).
+
+    Raises:
+        ValueError: one layer object, or one parameter array, appears twice in the model.
     """
 
     def __init__(self, model: Sequential, bucket_numel: int, world: int, xp: Any,
                  dtype: Any, master_dtype: Any = None, isolate_cut_layers: bool = False) -> None:
         self.model, self.xp, self.dtype = model, xp, xp.dtype(dtype)
         layers = model.layers
+        refuse_shared(layers)
         splittable = frozenset(i for i, layer in enumerate(layers)
                                if getattr(layer, "grad_rows", False))
         self.slots, self.buckets = plan(
@@ -98,3 +102,34 @@ class FlatModel:
                 slot.shape, [(first, stop) for first, stop, _ in spans],
                 lambda first, stop, s=slot, b=by_rows: target(b[(first, stop)], s, first, stop),
                 lambda first, stop, s=slot: written(s.offset + first * s.row))
+
+
+def refuse_shared(layers: list[Any]) -> None:
+    """Refuse a layer object, or a parameter array, used at two places of the model.
+
+    Each place would get its own copy of the parameters (trained apart: wrong gradients, and
+    replicas that no longer tie), and a layer keeps one forward's inputs for its backward, so
+    a second use overwrites the first's. Nothing here can train that correctly yet.
+
+    Raises:
+        ValueError: naming both positions and what to do instead.
+    """
+    layer_at: dict[int, int] = {}
+    array_at: dict[int, tuple[int, str]] = {}
+    for i, layer in enumerate(layers):
+        kind = type(layer).__name__
+        if id(layer) in layer_at:
+            raise ValueError(
+                f"the model uses one {kind} object twice: layers {layer_at[id(layer)]} and {i}; "
+                "meta_dist would train two copies of its parameters apart (wrong gradients) "
+                f"and its saved activations would be overwritten; build a separate {kind} for "
+                "each place (weight tying is not supported)")
+        layer_at[id(layer)] = i
+        for name, array in layer.params.items():
+            if id(array) in array_at:
+                j, other = array_at[id(array)]
+                raise ValueError(
+                    f"layers {j} ({other}) and {i} ({name}) share one parameter array; "
+                    "meta_dist would train two copies of it apart (wrong gradients); give "
+                    "each layer its own array (weight tying is not supported)")
+            array_at[id(array)] = (i, name)
