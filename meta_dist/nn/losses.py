@@ -1,8 +1,9 @@
 """Loss functions returning ``(loss, dinput)``: softmax cross-entropy, NLL and mean squared error.
 
 Leaf module: imports numpy and ``meta_dist.xp`` only; the trainer and the tests import it.
-Each loss is the mean over the batch (axis 0) and is returned as a 0-d array of the input's array
-module, never a Python float: converting would force a host sync on the GPU every step.
+Each loss is the mean over the batch (axis 0; every token for ``cross_entropy_tokens``) and is
+returned as a 0-d array of the input's array module, never a Python float: converting would
+force a host sync on the GPU every step.
 """
 
 from __future__ import annotations
@@ -62,6 +63,34 @@ def softmax_cross_entropy(logits, labels):
     dlogits[rows, labels] -= 1.0
     dlogits /= n
     return loss, dlogits
+
+
+def cross_entropy_tokens(logits, targets):
+    """Return the mean cross-entropy over every token of a sequence batch, and its grad.
+
+    The language-model loss (nanoGPT's ``F.cross_entropy(logits.view(-1, V), targets.view(-1))``):
+    ``softmax_cross_entropy`` on the B*T rows.
+
+    Args:
+        logits: (B, T, V) float array.
+        targets: (B, T) integer token ids in [0, V).
+
+    Returns:
+        ``(loss, dlogits)``: a 0-d array, and (B, T, V) ``(softmax(logits) - onehot) / (B*T)``.
+
+    Raises:
+        ValueError: logits are not 3-D, targets are not (B, T), or (host arrays only) a target
+            is outside [0, V).
+        TypeError: targets are not integers.
+    """
+    if logits.ndim != 3 or targets.shape != logits.shape[:2]:
+        raise ValueError(f"cross_entropy_tokens: shapes do not match; got logits "
+                         f"{tuple(logits.shape)} and targets {tuple(targets.shape)}, expected "
+                         f"(B, T, V) and (B, T)")
+    rows, labels = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    _check_labels("cross_entropy_tokens", rows, labels)  # so errors name this function
+    loss, dlogits = softmax_cross_entropy(rows, labels)
+    return loss, dlogits.reshape(logits.shape)
 
 
 def nll_loss(log_probs, labels):
