@@ -288,6 +288,46 @@ def test_zero2_waits_before_reusing_a_staging_buffer(contexts):
         slow.close()
 
 
+class SlowAllgather(MpiCommunicator):
+    """The real MPI communicator, its allgathers started late on the communication thread, so
+    a level-3 layer that reads its gather buffer before the prefetched gather has landed is
+    caught every time, not by chance."""
+
+    def _allgather(self, send, recv):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.02)
+        super()._allgather(send, recv)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_zero3_waits_for_each_prefetched_gather(contexts, reshard):
+    """Level 3 with prefetching (overlap on), many buckets, each gather delayed: a stage that
+    computed with a bucket before its allgather finished would train on stale parameters."""
+    world, alone = contexts
+    slow = SlowAllgather(world.connector)
+    try:
+        config = load_config({**OPTIMIZERS["sgd"], "dtype": "float64", "batch_size": GLOBAL_BATCH},
+                             {"zero_opt_level": 3, "bucket_size_mb": 1e-4, "overlap_comm": True,
+                              "reshard_after_forward": reshard, "backend": "mpi",
+                              "device": "cpu"})
+        x, y, loss_fn = data("deep", "float64")
+        dist = trainer_on(world, "deep", config, "float64", loss_fn)
+        dist.stage.comm = slow
+        ref = trainer_on(alone, "deep", make_config(0, "sgd", "float64"), "float64", loss_fn)
+        assert len(dist.stage.flat.buckets) >= 4
+        b, r = GLOBAL_BATCH // world.size, world.rank
+        for step in range(2):
+            ref.train_step(x[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH],
+                           y[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH])
+            dist.train_step(x[step * GLOBAL_BATCH + r * b:step * GLOBAL_BATCH + (r + 1) * b],
+                            y[step * GLOBAL_BATCH + r * b:step * GLOBAL_BATCH + (r + 1) * b])
+            for (name, got), want in zip(dist.parameters().items(), ref.parameters().values(),
+                                         strict=True):
+                np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12, err_msg=name)
+    finally:
+        slow.close()
+
+
 @pytest.mark.parametrize("level", [0, 1, 2, 3])
 def test_per_rank_seeds_train_rank_0s_model(contexts, level):
     """Each rank draws its own initial weights (a per-rank seed): the trainer gives every rank
