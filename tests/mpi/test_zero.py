@@ -190,6 +190,31 @@ def test_memory_report_matches_zero_table(contexts):
     assert reports[3]["optimizer"] == 2 * shard
 
 
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_accumulation_reduces_once_per_optimizer_step(contexts, level):
+    """grad_accum_steps 3 reduces exactly the bytes of one micro-batch per optimizer step
+    (DDP's no_sync): each bucket is reduced once per step, not once per micro-batch. Level 3
+    gathers the parameters again for every micro-batch's forward and backward (as FSDP does):
+    only its reductions are compared."""
+    world, _ = contexts
+    n = world.size
+    x, y, loss_fn = data("deep", "float64")
+    moved = []
+    for micro in (1, 3):
+        config = load_config({**OPTIMIZERS["adam"], "dtype": "float64",
+                              "batch_size": GLOBAL_BATCH, "grad_accum_steps": micro},
+                             {"zero_opt_level": level, "bucket_size_mb": 1e-4,
+                              "backend": "mpi", "device": "cpu"})
+        t = trainer_on(world, "deep", config, "float64", loss_fn)
+        t.train_step(x[:GLOBAL_BATCH // n], y[:GLOBAL_BATCH // n])
+        t.comm.traffic.reset()
+        t.train_step(x[:GLOBAL_BATCH // n], y[:GLOBAL_BATCH // n])
+        moved.append({op: b for op, b in t.comm.traffic.bytes.items()
+                      if level < 3 or op != "allgather"})
+    assert moved[1] == moved[0]
+    assert n == 1 or sum(moved[0].values()) > 0
+
+
 @pytest.mark.parametrize("bucket_mb", [25.0, 1e-4])
 def test_bytes_moved_per_step_by_level(contexts, bucket_mb):
     """Levels 0-2 move 2(N-1)/N of the gradient bytes per step. Level 3 gathers the parameters
