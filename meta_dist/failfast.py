@@ -102,18 +102,29 @@ def _end_job_if_leaving_early() -> None:
 OUTPUT_GRACE_S = 0.5  # time for the launcher to forward what this rank wrote before the abort
 
 
-def end_job(code: int) -> None:
-    """MPI_Abort(code) on the world, starting MPI first if needed (then every rank is in).
+def flush_output() -> None:
+    """Flush every output stream and wait OUTPUT_GRACE_S for the launcher to forward it.
 
-    The output is flushed and given OUTPUT_GRACE_S to reach the launcher first: MPICH's Hydra
-    tears the job down on an abort without draining the ranks' pipes, and on a loaded machine
-    a report written just before was seen lost whole.
+    MPICH's Hydra tears a job down on MPI_Abort without draining the ranks' pipes; on a loaded
+    machine a report written just before was seen lost whole.
     """
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         if stream is not None:
             with contextlib.suppress(Exception):  # a closed or broken stream: abort anyway
                 stream.flush()
     time.sleep(OUTPUT_GRACE_S)
+
+
+def end_job(code: int, *, grace: bool = True) -> None:
+    """MPI_Abort(code) on the world, starting MPI first if needed (then every rank is in).
+
+    With ``grace`` the output is first flushed and given OUTPUT_GRACE_S to reach the launcher
+    (``flush_output``); a caller that must abort at once after its own last step (the
+    watchdog, once the NCCL communicator is aborted and blocked threads run on) flushes first
+    and passes False.
+    """
+    if grace:
+        flush_output()
     try:
         from mpi4py import MPI  # starts MPI if nothing did yet
     except Exception:  # no MPI to end the job with: leave like any process

@@ -226,7 +226,8 @@ class StallWatchdog:
         sys.stderr.write(message)
         sys.stderr.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        failfast.flush_output()  # before the hooks: an aborted NCCL lets blocked threads run on
         for hook in self.before_abort:
             with contextlib.suppress(Exception):  # ending the job matters more
                 hook()
-        failfast.end_job(1)
+        failfast.end_job(1, grace=False)
