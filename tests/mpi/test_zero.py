@@ -190,6 +190,32 @@ def test_memory_report_matches_zero_table(contexts):
     assert reports[3]["optimizer"] == 2 * shard
 
 
+@pytest.mark.parametrize("level", [0, 3])
+def test_the_trainer_follows_the_lr_schedule(contexts, level):
+    """fit() sets each optimizer step's learning rate from the schedule: cosine with two warmup
+    steps over the whole run (two epochs), as schedule.learning_rate's closed form says."""
+    from meta_dist.train.schedule import learning_rate
+
+    world, _ = contexts
+    x, y, loss_fn = data("deep", "float64")
+    config = load_config({**OPTIMIZERS["sgd"], "dtype": "float64", "batch_size": GLOBAL_BATCH,
+                          "n_epoch": 2, "n_mini_batch": STEPS, "lr_schedule": "cosine",
+                          "warmup_steps": 2},
+                         {"zero_opt_level": level, "backend": "mpi", "device": "cpu"})
+    seen, trainer = [], None
+
+    def recording(out, target):  # called after the step's rate is set, before the update
+        seen.append(trainer.stage.optimizer.lr)
+        return loss_fn(out, target)
+
+    trainer = trainer_on(world, "deep", config, "float64", recording)
+    trainer.fit(x, y)
+    total = 2 * STEPS
+    want = [learning_rate("cosine", config.train.lr, s, total, 2) for s in range(total)]
+    assert seen == pytest.approx(want, rel=1e-12)
+    assert want[0] < want[2] and want[-1] < want[2]
+
+
 @pytest.mark.parametrize("level", [0, 1, 2, 3])
 def test_accumulation_reduces_once_per_optimizer_step(contexts, level):
     """grad_accum_steps 3 reduces exactly the bytes of one micro-batch per optimizer step
