@@ -303,6 +303,20 @@ def test_zero2_staging_is_bounded_by_the_bucket_size(contexts, overlap, bucket_m
     assert report["buffers"] <= cap
 
 
+def steps_match_one_process(world, dist, ref, x, y, steps):
+    """Take ``steps`` steps on ``dist`` (this rank's part of each global batch) and on ``ref``
+    (one process, the whole batch); after each, every parameter must agree to float64."""
+    b, r = GLOBAL_BATCH // world.size, world.rank
+    for step in range(steps):
+        batch = slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
+        mine = slice(step * GLOBAL_BATCH + r * b, step * GLOBAL_BATCH + (r + 1) * b)
+        ref.train_step(x[batch], y[batch])
+        dist.train_step(x[mine], y[mine])
+        for (name, got), want in zip(dist.parameters().items(), ref.parameters().values(),
+                                     strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
 class SlowReduceScatter(MpiCommunicator):
     """The real MPI communicator, its reduce_scatter started late on the communication thread,
     so a staging buffer that backward reuses too early is caught every time, not by chance."""
@@ -326,15 +340,7 @@ def test_zero2_waits_before_reusing_a_staging_buffer(contexts):
         dist.stage.comm = slow
         ref = trainer_on(alone, "deep", make_config(0, "sgd", "float64"), "float64", loss_fn)
         assert len(dist.stage.flat.buckets) >= 4 and len(dist.stage._staging) in (0, 2)
-        b, r = GLOBAL_BATCH // world.size, world.rank
-        for step in range(2):
-            ref.train_step(x[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH],
-                           y[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH])
-            dist.train_step(x[step * GLOBAL_BATCH + r * b:step * GLOBAL_BATCH + (r + 1) * b],
-                            y[step * GLOBAL_BATCH + r * b:step * GLOBAL_BATCH + (r + 1) * b])
-            for (name, got), want in zip(dist.parameters().items(), ref.parameters().values(),
-                                         strict=True):
-                np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12, err_msg=name)
+        steps_match_one_process(world, dist, ref, x, y, steps=2)
     finally:
         slow.close()
 
@@ -366,15 +372,7 @@ def test_zero3_waits_for_each_prefetched_gather(contexts, reshard):
         dist.stage.comm = slow
         ref = trainer_on(alone, "deep", make_config(0, "sgd", "float64"), "float64", loss_fn)
         assert len(dist.stage.flat.buckets) >= 4
-        b, r = GLOBAL_BATCH // world.size, world.rank
-        for step in range(2):
-            ref.train_step(x[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH],
-                           y[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH])
-            dist.train_step(x[step * GLOBAL_BATCH + r * b:step * GLOBAL_BATCH + (r + 1) * b],
-                            y[step * GLOBAL_BATCH + r * b:step * GLOBAL_BATCH + (r + 1) * b])
-            for (name, got), want in zip(dist.parameters().items(), ref.parameters().values(),
-                                         strict=True):
-                np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12, err_msg=name)
+        steps_match_one_process(world, dist, ref, x, y, steps=2)
     finally:
         slow.close()
 
