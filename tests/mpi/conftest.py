@@ -7,33 +7,15 @@
 Skips depend only on the world size, so every rank collects and runs the same tests.
 """
 
-import sys
-
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 from meta_dist import MPIConnector, make_communicator
 
-WORLD = MPI.COMM_WORLD
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        marker = item.get_closest_marker("mpi")
-        min_size = marker.kwargs.get("min_size", 1) if marker else 1
-        if WORLD.size < min_size:
-            item.add_marker(pytest.mark.skip(
-                reason=f"needs at least {min_size} ranks; this run has {WORLD.size}"))
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_runtest_logreport(report):
-    if report.failed and WORLD.size > 1:
-        sys.stderr.write(f"[rank {WORLD.rank}] FAILED {report.nodeid} ({report.when})\n"
-                         f"{report.longreprtext}\n")
-        sys.stderr.flush()
-        WORLD.Abort(1)
+from mpi_harness import (  # noqa: F401 - registers the shared hooks here
+    pytest_collection_modifyitems,
+    pytest_runtest_logreport,
+)
 
 
 @pytest.fixture(scope="session")
