@@ -111,6 +111,13 @@ def _positive(api: str, name: str, value) -> int:
     return value
 
 
+def _check_last_axis(api: str, x, width: int) -> None:
+    """Raise ValueError unless the last axis of ``x`` has ``width`` elements."""
+    if x.ndim < 1 or x.shape[-1] != width:
+        raise ValueError(f"{api}: last axis of input is wrong; got shape {tuple(x.shape)}, "
+                         f"expected (..., {width})")
+
+
 def _check_4d(api: str, x, channels: int | None = None) -> None:
     """Raise ValueError unless ``x`` is NCHW (with ``channels`` channels when given)."""
     if x.ndim != 4 or (channels is not None and x.shape[1] != channels):
@@ -204,9 +211,7 @@ class Linear(Layer):
         Raises:
             ValueError: the last axis of x is not in_features.
         """
-        if x.ndim < 1 or x.shape[-1] != self.in_features:
-            raise ValueError(f"Linear.forward: last axis of input is wrong; got shape "
-                             f"{tuple(x.shape)}, expected (..., {self.in_features})")
+        _check_last_axis("Linear.forward", x, self.in_features)
         self.x = x
         out = x @ self.params["weight"]
         if "bias" in self.params:

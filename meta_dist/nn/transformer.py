@@ -18,7 +18,15 @@ from collections.abc import Iterable, Iterator, MutableMapping
 import numpy as np
 
 from meta_dist.nn.grad_blocks import write_grad
-from meta_dist.nn.layers import GELU, INIT_BLOCK, Layer, Linear, _matmul_into, _positive
+from meta_dist.nn.layers import (
+    GELU,
+    INIT_BLOCK,
+    Layer,
+    Linear,
+    _check_last_axis,
+    _matmul_into,
+    _positive,
+)
 from meta_dist.xp import array_module, is_cupy_array
 
 
@@ -171,9 +179,7 @@ class LayerNorm(Layer):
         Raises:
             ValueError: the last axis of x is not dim.
         """
-        if x.ndim < 1 or x.shape[-1] != self.dim:
-            raise ValueError(f"LayerNorm.forward: last axis of input is wrong; got shape "
-                             f"{tuple(x.shape)}, expected (..., {self.dim})")
+        _check_last_axis("LayerNorm.forward", x, self.dim)
         xp = array_module(x)
         centered = x - x.mean(axis=-1, keepdims=True)
         var = (centered * centered).mean(axis=-1, keepdims=True)
@@ -617,10 +623,7 @@ class TiedHead(Layer):
         Raises:
             ValueError: the last axis of x is not the embedding width.
         """
-        width = self.params["weight"].shape[1]
-        if x.ndim < 1 or x.shape[-1] != width:
-            raise ValueError(f"TiedHead.forward: last axis of input is wrong; got shape "
-                             f"{tuple(x.shape)}, expected (..., {width})")
+        _check_last_axis("TiedHead.forward", x, self.params["weight"].shape[1])
         self.x = x
         return x @ self.params["weight"].T
 
