@@ -14,6 +14,9 @@ Environment variables (the one place they are documented):
         instead of before every call (one 16-byte allreduce per call otherwise).
     META_DIST_CUDA_AWARE_MPI: ``1`` hands CuPy arrays to MPI as they are (a CUDA-aware MPI
         only; the PyPI wheels are not); otherwise they are staged through host memory.
+    META_DIST_STALL_TIMEOUT: seconds a collective may wait for the other ranks before the job
+        is ended with a report of who did not arrive; overrides ``stall_timeout`` for any
+        program (0: no watchdog).
 """
 
 from __future__ import annotations
@@ -90,6 +93,9 @@ class DistConfig(_Validated):
             the loss scale.
         max_skipped_steps: Skipped steps in a row (fp16: at the loss scale's floor) before the
             run stops: a model that only skips has stopped learning.
+        stall_timeout: Seconds a collective may wait for the other ranks; past it the lowest
+            waiting rank prints which ranks did not arrive and what they were doing, and the
+            job ends (0: wait forever). META_DIST_STALL_TIMEOUT overrides it.
     """
 
     enable_data_parallel: bool = True
@@ -102,6 +108,7 @@ class DistConfig(_Validated):
     reshard_after_forward: bool = True
     nonfinite: str = _choice("stop", "skip", "ignore")
     max_skipped_steps: int = _rule(10, ">= 1", lambda v: v >= 1)
+    stall_timeout: float = _rule(300.0, ">= 0 (0: no limit)", lambda v: v >= 0)
 
     @staticmethod
     def _check_together(values: dict[str, Any], where: Callable[..., str]) -> None:

@@ -114,6 +114,14 @@ class DistContext:
         how = "CUDA-aware" if comm.staging.cuda_aware else "staged through host memory"
         return f"GPU collectives: MPI, {how} ({self.nccl_problem})"
 
+    def set_stall_timeout(self, seconds: float | None) -> None:
+        """Set every communicator's stall timeout (None or 0: no limit; see meta_dist.watchdog).
+
+        META_DIST_STALL_TIMEOUT, where set, wins over ``seconds``.
+        """
+        for comm in self._communicators.values():
+            comm.set_stall_timeout(seconds)
+
     def close(self) -> None:
         """Close every communicator and the connector. Collective."""
         try:

@@ -7,7 +7,8 @@ otherwise hang it: its peers wait forever in their next collective (or, under MP
 MPI_Init: Hydra ends a job for a rank killed by a signal, not for one that exits early). So:
 - an uncaught exception prints its traceback and ends the job with exit code 1;
 - ``sys.exit(n)`` with n != 0 ends the job with exit code n, unless every meta_dist connector
-  of this rank was closed first (all ranks failing together: they finalize normally);
+  of this rank was closed first, or every rank said it leaves with n (``leave_together``:
+  stopped by a signal after the same step); then the ranks finalize normally;
 - a clean exit (0) finalizes as usual.
 Ending the job is MPI_Abort(n), after starting MPI if it had not started yet. ``sys.exit`` is
 wrapped to learn n: an exit handler cannot see it.
@@ -31,6 +32,7 @@ _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
 _exit_status: list[Any] = [None]  # what sys.exit was last given
 _connectors: weakref.WeakSet[Any] = weakref.WeakSet()  # open ones keep an early exit fatal
 _installed, _tracked = [False], [False]
+_together: list[int | None] = [None]  # the exit code every rank leaves with (leave_together)
 
 
 def launched_size() -> int:
@@ -71,6 +73,11 @@ def track(connector: Any) -> None:
     atexit.register(_end_job_if_leaving_early)
 
 
+def leave_together(code: int) -> None:
+    """Say that every rank is leaving now with ``code``: an exit with it then ends no job."""
+    _together[0] = code
+
+
 def _rank() -> str:
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
@@ -92,7 +99,7 @@ def _abort_on_exception(exc_type: type, exc: BaseException, tb: Any) -> None:
 def _end_job_if_leaving_early() -> None:
     status = _exit_status[0]
     code = 0 if status is None else status if isinstance(status, int) else 1
-    if code == 0 or (_tracked[0] and not any(not c.closed for c in _connectors)):
+    if code in (0, _together[0]) or (_tracked[0] and not any(not c.closed for c in _connectors)):
         return
     sys.stderr.write(f"[rank {_rank()}] exits with code {code} while the job is running; "
                      "ending the job\n")

@@ -70,10 +70,12 @@ class Result:
         return f"mpirun {state}; output of every rank:\n{self.output}"
 
 
-def run(n: int, args: list[str], *, timeout: float = 300, hostfile: str | None = None,
-        env: dict[str, str] | None = None) -> Result:
-    """Run ``python args...`` on n ranks; a job past ``timeout`` is killed and reported."""
-    # the launcher's own time limit too: if this test process dies, the job still ends
+def start(n: int, args: list[str], *, timeout: float = 300, hostfile: str | None = None,
+          env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``python args...`` on n ranks in a session of its own; return the mpirun process.
+
+    The launcher's own time limit is ``timeout`` + 30 s: if the test dies, the job still ends.
+    """
     limit = str(int(timeout) + 30)
     command = [*launcher(), "-n", str(n)]
     if flavour() == "openmpi":
@@ -83,8 +85,12 @@ def run(n: int, args: list[str], *, timeout: float = 300, hostfile: str | None =
     if hostfile is not None:
         command += ["--hostfile" if flavour() == "openmpi" else "-f", hostfile]
     command += [sys.executable, *args]
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> Result:
+    """Wait for a job from ``start``; one past ``timeout`` is killed and reported."""
     try:
         output, _ = proc.communicate(timeout=timeout)
         return Result(proc.returncode, output, False)
@@ -92,3 +98,9 @@ def run(n: int, args: list[str], *, timeout: float = 300, hostfile: str | None =
         os.killpg(proc.pid, signal.SIGKILL)  # the group this test started, nothing else
         output, _ = proc.communicate()
         return Result(proc.returncode, output, True)
+
+
+def run(n: int, args: list[str], *, timeout: float = 300, hostfile: str | None = None,
+        env: dict[str, str] | None = None) -> Result:
+    """Run ``python args...`` on n ranks; a job past ``timeout`` is killed and reported."""
+    return finish(start(n, args, timeout=timeout, hostfile=hostfile, env=env), timeout)

@@ -1,10 +1,12 @@
 """Whole jobs under real mpirun: the examples, hostfiles, and what happens when a rank fails."""
 
+import os
 import re
+import signal
 import time
 
 import pytest
-from mpirun import ROOT, flavour, run
+from mpirun import ROOT, finish, flavour, mpi_env, run, start
 
 
 def test_ping_pong_exact():
@@ -83,6 +85,7 @@ def test_dist_example_levels_agree_and_loss_falls(ranks):
         result = run(ranks, ["scripts/distributed/dist_example.py", "--config",
                              f"configs/{config}.yaml", "n_epoch=3"], timeout=300)
         assert result.returncode == 0, str(result)
+        assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f]", result.output), "control characters"
         assert "train_config:" in result.output and "meta_dist_config:" in result.output
         level = config[-1] if config != "dp" else "0"
         assert re.search(rf"^  zero_opt_level += {level} ", result.output, re.M), str(result)
@@ -227,3 +230,112 @@ def test_checkpoint_cli_needs_no_mpi(saved_at_4_ranks, tmp_path):
     with np.load(out) as merged:
         assert merged["0.Linear.weight"].shape == (6, 9)
         assert "optimizer/exp_avg_sq/4.Linear.bias" in merged.files
+
+
+# ---------------------------------------------------------------- stalls and signals
+
+STALL_S = 5  # tests/scripts/hang.py's stall timeout
+
+
+@pytest.mark.parametrize("mode, collective, doing", [
+    ("loop", r"allreduce #2 \(2 numpy float32 arrays, 0\.0 MiB\)",
+     r"rank 2 \(host \S+, pid \d+\): last completed allreduce #1 \(entered [\d.]+ s ago\); now in no "
+     r"collective, at:\n.*hang\.py\", line \d+, in <module>"),
+    ("gone", r"allreduce #2 \(2 numpy float32 arrays, 0\.0 MiB\)",
+     r"rank 2: not responding \(no answer in 2 s"),
+    ("zero2", r"reduce_scatter #\d+ \(numpy float32 \(\d+,\)\)",
+     r"rank 2 \(host \S+, pid \d+\): last completed \w+ #\d+ \(entered [\d.]+ s ago\); now in no "
+     r"collective, at:\n(.*\n)*.*hang\.py\", line \d+, in loss_fn"),
+])
+def test_a_rank_that_does_not_arrive_is_named(mode, collective, doing):
+    """3 ranks, rank 2 never comes: looping in Python (its watchdog still answers), stopped by
+    SIGSTOP (it cannot), or stuck in training while the others wait in ZeRO-2's overlapped
+    reduce-scatter on the communication thread (timeout from meta_dist_config there, from
+    META_DIST_STALL_TIMEOUT otherwise). One report, by rank 0, the lowest waiting rank; the job
+    ends non-zero within the timeout + 10 s of the hang."""
+    env = mpi_env(**({} if mode == "zero2" else {"META_DIST_STALL_TIMEOUT": str(STALL_S)}))
+    result = run(3, ["tests/scripts/hang.py", mode], timeout=120, env=env)
+    ended = time.time()
+    assert not result.timed_out and result.returncode != 0, str(result)
+    begun = float(re.search(r"hang begins at ([\d.]+)", result.output).group(1))
+    assert ended - begun < STALL_S + 10, str(result)
+    assert re.search(rf"\[rank 0\] {collective}: waited {STALL_S} s for the other ranks",
+                     result.output), str(result)
+    assert re.search(r"waiting in it: rank 0 for [\d.]+ s, rank 1 for [\d.]+ s\n  not arrived: "
+                     r"rank 2\n", result.output), str(result)
+    assert re.search(doing, result.output), str(result)
+    assert result.output.count("not arrived:") == 1, str(result)  # printed once
+    assert "unreachable" not in result.output
+
+
+def test_the_stall_timeout_must_be_a_number():
+    result = run(2, ["tests/scripts/skip_collective.py"], timeout=60,
+                 env=mpi_env(META_DIST_STALL_TIMEOUT="soon"))
+    assert not result.timed_out and result.returncode != 0, str(result)
+    assert "META_DIST_STALL_TIMEOUT='soon': expected seconds >= 0" in result.output, str(result)
+
+
+def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    """Only rank 2 gets SIGTERM, during step 3: every rank stops after step 3 (they agree in
+    the step's verdict exchange), the checkpoint of step 3 is written, one line says so, and
+    the job exits 143 (128 + SIGTERM). Then a run resumes from it."""
+    result = run(3, ["tests/scripts/stop_signal.py", "planted", str(tmp_path)], timeout=120)
+    assert result.returncode == 143, str(result)
+    assert result.output.count("stopped by SIGTERM after step 3; checkpoint ") == 1, str(result)
+    left = sorted(re.findall(r"rank (\d) left after step (\d+)", result.output))
+    assert left == [("0", "3"), ("1", "3"), ("2", "3")], str(result)
+    assert (tmp_path / "ckpt" / "step-00000003").is_dir()
+    result = run(3, ["tests/scripts/stop_signal.py", "resume", str(tmp_path)], timeout=120)
+    assert result.returncode == 0, str(result)
+    assert "at epoch 1 step 3" in result.output and "finished training" in result.output
+
+
+def test_a_signal_after_the_last_step_still_stops(tmp_path):
+    """SIGTERM while the epoch's checkpoint is written, after the last step's vote: fit does not
+    return as if nothing happened; the job still stops, with that checkpoint, exit 143."""
+    result = run(2, ["tests/scripts/stop_signal.py", "late", str(tmp_path)], timeout=120)
+    assert result.returncode == 143, str(result)
+    assert result.output.count("stopped by SIGTERM after step 10; checkpoint ") == 1, str(result)
+    assert "finished training" not in result.output
+    assert sorted((tmp_path / "ckpt").glob("step-*")) == [tmp_path / "ckpt" / "step-00000010"]
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_signal_to_every_rank_stops_training_cleanly(tmp_path, signame):
+    """As Slurm does (it signals every task): each rank gets the signal at its own moment;
+    they stop after one agreed step with a checkpoint, and the job exits 128 + the signal."""
+    number = getattr(signal, signame)
+    proc = start(3, ["tests/scripts/stop_signal.py", "outside", str(tmp_path)], timeout=120)
+    pids = [tmp_path / f"pid-{r}" for r in range(3)]
+    deadline = time.monotonic() + 60
+    while not all(p.exists() and p.read_text() for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    for p in pids:  # the ranks this test started, by pid
+        os.kill(int(p.read_text()), number)
+    result = finish(proc, 120)
+    assert result.returncode == 128 + number, str(result)
+    found = re.findall(rf"stopped by {signame} after step (\d+); checkpoint ", result.output)
+    assert len(found) == 1, str(result)
+    left = re.findall(r"rank \d left after step (\d+)", result.output)
+    assert left == found * 3, str(result)
+    assert (tmp_path / "ckpt" / f"step-{int(found[0]):08d}").is_dir()
+
+
+def test_ctrl_c_to_mpiexec_stops_training_cleanly(tmp_path):
+    """MPICH's mpiexec forwards Ctrl-C (SIGINT) to every rank: one line, exit 130. (Open MPI's
+    mpirun instead ends the job itself on SIGINT or SIGTERM: its ranks get SIGTERM and still
+    checkpoint, but mpirun no longer forwards their output.)"""
+    if flavour() != "mpich":
+        pytest.skip("Open MPI's mpirun ends the job itself on SIGINT (see the docstring)")
+    proc = start(3, ["tests/scripts/stop_signal.py", "outside", str(tmp_path)], timeout=120)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"pid-{r}").exists() for r in range(3)):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)  # mpiexec, which this test started
+    result = finish(proc, 120)
+    assert result.returncode == 130, str(result)
+    assert len(re.findall(r"stopped by SIGINT after step \d+; checkpoint ", result.output)) == 1
+    assert "Traceback" not in result.output, str(result)

@@ -20,13 +20,12 @@ from meta_dist.lazy_mpi import MPI
 
 from meta_dist.comm import checks, plans
 from meta_dist.comm.checks import DTYPES
-from meta_dist.comm.consistency import ConsistencyCheck, StallWatchdog
+from meta_dist.comm.consistency import ConsistencyCheck
 from meta_dist.comm.streams import Ticket
 from meta_dist.comm.worker import CommThreads, Handle
 from meta_dist.connector import MPIConnector
+from meta_dist.watchdog import DEFAULT_STALL_TIMEOUT_S, StallWatchdog, resolve_stall_timeout
 from meta_dist.xp import array_module, data_ptr, is_cupy_array
-
-DEFAULT_STALL_TIMEOUT_S = 300.0
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -49,8 +48,9 @@ class Communicator(ABC):
     Before each collective the ranks compare a fingerprint of (operation, op, root, dtype,
     shapes) with one small allreduce on the host; a difference raises ValueError on every rank
     naming each rank's arrays, instead of a hang or garbage. Set META_DIST_CHECK=0 or pass
-    ``check=False`` to skip it. A watchdog thread ends the job (every thread's stack printed,
-    then MPI_Abort) when a collective has waited longer than ``stall_timeout`` seconds.
+    ``check=False`` to skip it. A watchdog thread ends the job when a collective has waited
+    longer than ``stall_timeout`` seconds, naming the ranks that did not arrive and what they
+    were doing (``meta_dist.watchdog``; META_DIST_STALL_TIMEOUT overrides the timeout).
 
     The ``*_async`` variants return a Handle at once; the operations run in order on one
     communication thread. Do not touch their arrays until ``wait()`` returns.
@@ -59,7 +59,7 @@ class Communicator(ABC):
         connector: the MPI world these ranks belong to.
         check: compare shapes and dtypes across ranks before each collective.
         stall_timeout: seconds a collective may wait for its peers before the job is aborted
-            (None: no watchdog).
+            (None or 0: no watchdog); META_DIST_STALL_TIMEOUT, if set, wins.
     """
 
     backend_name = "base"
@@ -70,14 +70,13 @@ class Communicator(ABC):
         self.rank = connector.rank
         self.size = connector.size
         self.check = _env_flag("META_DIST_CHECK", True) if check is None else check
-        self.stall_timeout = stall_timeout
+        self.stall_timeout = stall_timeout = resolve_stall_timeout(stall_timeout)
         self._thread_level = MPI.Query_thread()  # async calls need THREAD_MULTIPLE
         self._agree({"check": self.check, "thread_level": self._thread_level,
-                     **self._call_settings()})
+                     "watchdog": stall_timeout is not None, **self._call_settings()})
         self._check_comm = connector.comm.Dup()
         self._consistency = ConsistencyCheck(self._check_comm, every_call=self.check)
-        watchdog = StallWatchdog(self.rank, stall_timeout) if stall_timeout else None
-        self._threads = CommThreads(watchdog, self._worker_started)
+        self._threads = CommThreads(self._new_watchdog(stall_timeout), self._worker_started)
         self.fusion = plans.Fusion(self._address)
         self.traffic = plans.Traffic(self.size)  # bytes each operation moved; see plans.Traffic
         self.to_self: queue.Queue = queue.Queue()  # messages this rank sent itself
@@ -101,8 +100,7 @@ class Communicator(ABC):
         Returns:
             The reduced array (or list of arrays), which is ``out`` when given.
         """
-        return self._threads.run(self._plan("allreduce", plans.allreduce, send, op, out),
-                                 "allreduce")
+        return self._run("allreduce", plans.allreduce, send, op, out)
 
     def allreduce_async(self, send: Any, op: str = "sum", *, out: Any = None) -> Handle:
         """Start ``allreduce`` and return a Handle; see ``allreduce``. Collective."""
@@ -125,8 +123,7 @@ class Communicator(ABC):
         Returns:
             This rank's part (or a list of parts).
         """
-        return self._threads.run(self._plan("reduce_scatter", plans.reduce_scatter, send, op, out),
-                                 "reduce_scatter")
+        return self._run("reduce_scatter", plans.reduce_scatter, send, op, out)
 
     def reduce_scatter_async(self, send: Any, op: str = "sum", *, out: Any = None) -> Handle:
         """Start ``reduce_scatter`` and return a Handle; see ``reduce_scatter``. Collective."""
@@ -145,7 +142,7 @@ class Communicator(ABC):
         Returns:
             The gathered array (or list of arrays).
         """
-        return self._threads.run(self._plan("allgather", plans.allgather, send, out), "allgather")
+        return self._run("allgather", plans.allgather, send, out)
 
     def allgather_async(self, send: Any, *, out: Any = None) -> Handle:
         """Start ``allgather`` and return a Handle; see ``allgather``. Collective."""
@@ -165,8 +162,7 @@ class Communicator(ABC):
         Returns:
             Root's array (or list), which is ``out`` when given.
         """
-        return self._threads.run(self._plan("broadcast", plans.broadcast, buf, root, out),
-                                 "broadcast")
+        return self._run("broadcast", plans.broadcast, buf, root, out)
 
     def broadcast_async(self, buf: Any, root: int = 0, *, out: Any = None) -> Handle:
         """Start ``broadcast`` and return a Handle; see ``broadcast``. Collective."""
@@ -186,7 +182,7 @@ class Communicator(ABC):
         Returns:
             The reduced array (or list) on root; None on every other rank.
         """
-        return self._threads.run(self._plan("reduce", plans.reduce, send, root, op, out), "reduce")
+        return self._run("reduce", plans.reduce, send, root, op, out)
 
     def reduce_async(self, send: Any, root: int = 0, op: str = "sum", *, out: Any = None) -> Handle:
         """Start ``reduce`` and return a Handle; see ``reduce``. Collective."""
@@ -198,11 +194,11 @@ class Communicator(ABC):
         Point to point: only this rank and ``peer`` take part. With the check on, a small header
         (dtype, sizes, shapes) goes first so that a mismatched ``recv`` fails clearly.
         """
-        self._threads.run(self._p2p(plans.send, send, peer), "send", peer)
+        self._threads.run(self._p2p(plans.send, send, peer), "send", peer, send)
 
     def recv(self, out: Any, peer: int) -> Any:
         """Receive into ``out`` (an array or list of arrays) what rank ``peer`` sends; return it."""
-        return self._threads.run(self._p2p(plans.recv, out, peer), "recv", peer)
+        return self._threads.run(self._p2p(plans.recv, out, peer), "recv", peer, out)
 
     def send_async(self, send: Any, peer: int) -> Handle:
         """Start ``send`` and return a Handle at once; see ``send``.
@@ -249,13 +245,34 @@ class Communicator(ABC):
             self._close_backend()  # still watched: it may wait for device work
         finally:  # whatever the backend did, this communicator is done
             if self._threads.watchdog is not None:
-                self._threads.watchdog.stop()
+                self._threads.watchdog.stop()  # frees its side channel
             self._consistency.close()
             self._check_comm.Free()
             self._check_comm = None
             self.closed = True
 
+    def set_stall_timeout(self, seconds: float | None) -> None:
+        """Change the stall timeout (None or 0: no limit); META_DIST_STALL_TIMEOUT still wins.
+
+        Raises:
+            RuntimeError: a limit for a communicator made without a watchdog.
+        """
+        seconds = resolve_stall_timeout(seconds)
+        watchdog = self._threads.watchdog
+        if watchdog is None and seconds:
+            raise RuntimeError(
+                f"stall_timeout {seconds:g}: this communicator was made without a stall "
+                "watchdog (stall_timeout None or META_DIST_STALL_TIMEOUT=0); make it with a "
+                "timeout")
+        if watchdog is not None:
+            watchdog.set_timeout(seconds)
+            self.stall_timeout = seconds
+
     # ---------------------------------------------------------- plans (check now, run later)
+
+    def _run(self, api: str, make: Callable[..., plans.Run], *args: Any) -> Any:
+        """Plan a collective and run it now (or behind the queued ones); return its result."""
+        return self._threads.run(self._plan(api, make, *args), api, arrays=args[0])
 
     def _plan(self, api: str, make: Callable[..., plans.Run], *args: Any) -> plans.Run:
         """Return ``make(self, *args)``, the call checked; a refusal is told to the peers.
@@ -384,7 +401,7 @@ class Communicator(ABC):
         peers about refused arguments in a check that they would never reach.
         """
         self._check_threads(api)
-        return self._threads.start(self._plan(api, make, *args), api)
+        return self._threads.start(self._plan(api, make, *args), api, arrays=args[0])
 
     def _start_p2p(self, api: str, run: plans.Run, peer: int, arrays: Any) -> Handle:
         self._check_threads(api)
@@ -392,7 +409,7 @@ class Communicator(ABC):
         if problem is not None:
             raise NotImplementedError(f"{api}_async: {problem}; use the blocking {api} (pair "
                                       "sends and receives in the same order on both ranks)")
-        return self._threads.start(run, api, peer)
+        return self._threads.start(run, api, peer, arrays)
 
     def _check_threads(self, api: str) -> None:
         """Refuse work on a communication thread unless MPI allows calls from any thread."""
@@ -410,6 +427,18 @@ class Communicator(ABC):
     def _async_p2p_problem(self, arrays: Any) -> str | None:
         """Return why this backend cannot run point-to-point asynchronously, or None."""
         return None
+
+    def _new_watchdog(self, timeout: float | None) -> StallWatchdog | None:
+        """Return the watchdog (None without a timeout) and its side channel. Collective.
+
+        The side channel (``meta_dist.watchdog``) needs MPI calls from the watchdog thread:
+        thread level "multiple", which every rank shares (``_agree``).
+        """
+        if timeout is None:
+            return None
+        side = (self.connector.comm.Dup()
+                if self.size > 1 and self._thread_level >= MPI.THREAD_MULTIPLE else None)
+        return StallWatchdog(self.rank, self.size, timeout, side)
 
     def _worker_started(self) -> None:  # noqa: B027 (optional hook)
         """Called first on each communication thread; backends set per-thread state here."""

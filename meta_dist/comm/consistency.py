@@ -1,28 +1,22 @@
-"""The cross-rank consistency check run before every collective, and the stall watchdog.
+"""The cross-rank consistency check run before every collective.
 
 Imports numpy, mpi4py and meta_dist.xp. The ranks compare a fingerprint of (operation, op,
 root, dtype, shapes, array kind) with one small allreduce (max of x and of -x gives max and min
 at once); on a difference every rank raises the same ValueError listing each rank's arrays. A
 rank that refused its own arguments sends a pair no call has, so its peers fail the same call
-at once instead of waiting for it. A watchdog thread ends the job when a collective waits past
-the stall timeout, so a rank that never arrives is reported instead of hanging it; the common
-path pays two dict writes for it.
+at once instead of waiting for it. (A rank that never arrives is the stall watchdog's:
+``meta_dist.watchdog``.)
 """
 
 from __future__ import annotations
 
 import contextlib
-import faulthandler
-import sys
-import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from meta_dist.lazy_mpi import MPI
 
-import meta_dist.failfast as failfast
 from meta_dist.xp import is_cupy_array
 
 KINDS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "send", "recv")
@@ -167,67 +161,3 @@ def _call(api: str, arrays: list[Any], op: str, root: int) -> dict[str, Any]:
             "dtype": str(arrays[0].dtype), "size": sum(int(a.size) for a in arrays),
             "shapes": [tuple(a.shape) for a in arrays],
             "arrays": "cupy arrays" if kind else "numpy arrays", "described": f"{api} of {shown}"}
-
-
-class StallWatchdog:
-    """End the job when a collective has waited longer than ``timeout`` seconds.
-
-    Each collective is bracketed by ``enter``/``leave`` (any thread). A daemon thread looks a
-    few times per timeout; past it, it prints which collective waited, every thread's stack,
-    and calls MPI_Abort, which takes every rank down. A blocked MPI or NCCL call never runs
-    Python code, so the check cannot live in the waiting thread itself. Work that returns to
-    Python before it has finished (NCCL kernels on a stream) is watched through ``probes``:
-    each returns the (name, start time) of its oldest unfinished work, or raises to end the
-    job with its message (an error NCCL reports asynchronously). ``before_abort`` hooks run
-    first when the job is ended (the NCCL communicator aborts itself, freeing its kernels).
-
-    Args:
-        rank: this rank, for the message.
-        timeout: seconds a collective may wait for the other ranks.
-    """
-
-    def __init__(self, rank: int, timeout: float) -> None:
-        self.rank, self.timeout = rank, timeout
-        self._waiting: dict[int, tuple[str, float]] = {}
-        self.probes: list[Callable[[], tuple[str, float] | None]] = []
-        self.before_abort: list[Callable[[], None]] = []
-        self._stop = threading.Event()
-        threading.Thread(target=self._watch, name="meta_dist-watchdog", daemon=True).start()
-
-    def enter(self, api: str) -> None:
-        """Mark that this thread is now inside collective ``api``."""
-        self._waiting[threading.get_ident()] = (api, time.monotonic())
-
-    def leave(self) -> None:
-        """Mark that this thread's collective has returned."""
-        self._waiting.pop(threading.get_ident(), None)
-
-    def stop(self) -> None:
-        """Stop watching (the communicator is closing)."""
-        self._stop.set()
-
-    def _watch(self) -> None:
-        while not self._stop.wait(min(1.0, self.timeout / 4)):
-            now = time.monotonic()
-            waiting = list(self._waiting.values())
-            try:
-                waiting += [found for probe in self.probes if (found := probe()) is not None]
-            except Exception as error:  # a probe's report: end the job with its message
-                self._abort(f"[rank {self.rank}] {error}; aborting the job. Stacks:\n")
-            for api, start in waiting:
-                if now - start > self.timeout and not self._stop.is_set():
-                    self._abort(
-                        f"[rank {self.rank}] {api}: waited {self.timeout:.0f} s for the other "
-                        f"ranks to reach this collective ({now - start:.0f} s so far); some "
-                        "rank took another path (different control flow, an uneven last "
-                        "batch) or is stuck; aborting the job. Stacks:\n")
-
-    def _abort(self, message: str) -> None:
-        sys.stderr.write(message)
-        sys.stderr.flush()
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        failfast.flush_output()  # before the hooks: an aborted NCCL lets blocked threads run on
-        for hook in self.before_abort:
-            with contextlib.suppress(Exception):  # ending the job matters more
-                hook()
-        failfast.end_job(1, grace=False)

@@ -14,9 +14,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from meta_dist.comm.base import DEFAULT_STALL_TIMEOUT_S, Communicator
-from meta_dist.comm.consistency import StallWatchdog
+from meta_dist.comm.base import Communicator
 from meta_dist.connector import MPIConnector
+from meta_dist.watchdog import DEFAULT_STALL_TIMEOUT_S, StallWatchdog, resolve_stall_timeout
 from meta_dist.xp import is_cupy_array, select_device
 
 # cupy.cuda.nccl's names for the ncclDataType_t and ncclRedOp_t of each dtype and op, looked up
@@ -229,11 +229,12 @@ class NcclCommunicator(Communicator):
 
         uid = broadcast_unique_id(connector)
         comm, problem = None, None
-        timeout = kwargs.get("stall_timeout", DEFAULT_STALL_TIMEOUT_S)
-        init_watch = StallWatchdog(connector.rank, timeout) if timeout else None
+        timeout = resolve_stall_timeout(kwargs.get("stall_timeout", DEFAULT_STALL_TIMEOUT_S))
+        init_watch = StallWatchdog(connector.rank, connector.size, timeout) if timeout else None
         try:
             if init_watch is not None:
-                init_watch.enter("NCCL communicator creation (ncclCommInitRank)")
+                init_watch.enter("NCCL communicator creation (ncclCommInitRank)",
+                                 collective=False)
             comm = nccl.NcclCommunicator(connector.size, uid, connector.rank)
         except Exception as error:
             problem = f"ncclCommInitRank failed: {_describe(error)}"
@@ -259,8 +260,9 @@ class NcclCommunicator(Communicator):
             self._ops["avg"] = self._ops["sum"]
         self._stream = cupy.cuda.Stream(non_blocking=True) if stream is None else stream
         self._token = cupy.zeros(1, cupy.float32)  # barrier's one-element allreduce
-        # (done event, arrays it uses, operation, when it was enqueued), oldest first
-        self._in_flight: deque[tuple[Any, tuple[Any, ...], str, float]] = deque()
+        # (done event, arrays it uses, operation, its sequence number (None: point to point),
+        # when it was enqueued), oldest first
+        self._in_flight: deque[tuple[Any, tuple[Any, ...], str, int | None, float]] = deque()
         self._aborted = False
         watchdog = self._threads.watchdog
         if watchdog is not None:
@@ -380,7 +382,9 @@ class NcclCommunicator(Communicator):
             done = self._stream.record()
         while self._in_flight and self._in_flight[0][0].done:
             self._in_flight.popleft()
-        self._in_flight.append((done, arrays, api, time.monotonic()))
+        watchdog = self._threads.watchdog
+        seq = watchdog.seq if watchdog is not None and api not in ("send", "recv") else None
+        self._in_flight.append((done, arrays, api, seq, time.monotonic()))
         return done
 
     def _host_wait(self, done: Any) -> None:
@@ -392,7 +396,7 @@ class NcclCommunicator(Communicator):
             time.sleep(pause)  # a host core spinning here would slow the peers sharing it
             pause = min(2 * pause, 1e-3)
 
-    def _oldest_unfinished(self) -> tuple[str, float] | None:
+    def _oldest_unfinished(self) -> tuple[str, int | None, float, Any] | None:
         """The watchdog's probe: NCCL's asynchronous error, else the oldest unfinished call."""
         comm = self._comm
         if comm is None or self._aborted:
@@ -403,9 +407,9 @@ class NcclCommunicator(Communicator):
             raise RuntimeError(f"NCCL reported an error on rank {self.rank}: "
                                f"{_describe(error)}; NCCL_DEBUG=WARN shows NCCL's own log"
                                ) from error
-        for done, _, api, start in list(self._in_flight):
+        for done, arrays, api, seq, start in list(self._in_flight):
             if not done.done:
-                return f"nccl {api}", start
+                return f"nccl {api}", seq, start, list(arrays[:1])
         return None
 
     def _abort(self) -> None:

@@ -82,18 +82,20 @@ class CommThreads:
         self._collectives = OrderedWorker(on_start)
         self._p2p: dict[tuple[str, int], OrderedWorker] = {}  # (send|recv, peer) -> thread
 
-    def run(self, call: Callable[[], Any], api: str, peer: int | None = None) -> Any:
+    def run(self, call: Callable[[], Any], api: str, peer: int | None = None,
+            arrays: Any = None) -> Any:
         """Run ``call`` now, or behind the queued work it must not overtake; return its result.
 
-        A ``call.after`` (see Handle) runs in this thread once the call has finished.
+        ``arrays`` are what the watchdog's report names. A ``call.after`` (see Handle) runs in
+        this thread once the call has finished.
         """
         after = getattr(call, "after", None)
         worker = self._collectives if peer is None else self._p2p.get((api, peer))
         if worker is not None and not worker.idle():
-            return worker.submit(self._watched(call, api), after).wait()
+            return worker.submit(self._watched(call, api, peer, arrays), after).wait()
         watchdog = self.watchdog
         if watchdog is not None:  # as _watched does, without a closure: every blocking call
-            watchdog.enter(api)
+            watchdog.enter(_named(api, peer), arrays, peer is None)
         try:
             result = call()
         finally:
@@ -103,15 +105,16 @@ class CommThreads:
             after()
         return result
 
-    def start(self, call: Callable[[], Any], api: str, peer: int | None = None) -> Handle:
+    def start(self, call: Callable[[], Any], api: str, peer: int | None = None,
+              arrays: Any = None) -> Handle:
         """Queue ``call`` on the collectives' thread (or the peer's) and return its Handle."""
         after = getattr(call, "after", None)
         if peer is None:
-            return self._collectives.submit(self._watched(call, api), after)
+            return self._collectives.submit(self._watched(call, api, peer, arrays), after)
         key = (api, peer)
         if key not in self._p2p:
             self._p2p[key] = OrderedWorker(self._on_start)
-        return self._p2p[key].submit(self._watched(call, api), after)
+        return self._p2p[key].submit(self._watched(call, api, peer, arrays), after)
 
     def close(self) -> None:
         """Finish the queued work and stop the threads."""
@@ -119,16 +122,22 @@ class CommThreads:
         for worker in self._p2p.values():
             worker.close()
 
-    def _watched(self, call: Callable[[], Any], api: str) -> Callable[[], Any]:
+    def _watched(self, call: Callable[[], Any], api: str, peer: int | None,
+                 arrays: Any) -> Callable[[], Any]:
         watchdog = self.watchdog
         if watchdog is None:
             return call
 
         def watched() -> Any:
-            watchdog.enter(api)
+            watchdog.enter(_named(api, peer), arrays, peer is None)
             try:
                 return call()
             finally:
                 watchdog.leave()
 
         return watched
+
+
+def _named(api: str, peer: int | None) -> str:
+    """Name an operation for the watchdog: a point-to-point one with its peer."""
+    return api if peer is None else f"{api} {'to' if api == 'send' else 'from'} rank {peer}"

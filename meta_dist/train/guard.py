@@ -1,17 +1,20 @@
 """StepGuard: one small exchange per step for what every rank must agree on before it updates.
 
 Imports numpy and meta_dist.xp (and train.scaler); the trainer makes one per run. It carries
-three things the ranks could otherwise get wrong alone:
+four things the ranks could otherwise get wrong alone:
 - finite numbers: one NaN in one input row would train to ``loss nan`` for every epoch and
   exit 0 (``meta_dist_config.nonfinite``: stop, skip or ignore);
 - fp16 overflow: every rank skips the same step and moves the loss scale alike;
 - clipping by the global norm: from every rank's shard, each gradient counted once (DeepSpeed
-  #6480, #7220 clipped by averaged per-rank norms).
+  #6480, #7220 clipped by averaged per-rank norms);
+- a stop signal (``train.signals``): a rank that caught SIGTERM votes, and every rank stops
+  after the same step.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -31,9 +34,10 @@ class StepGuard:
 
     After the gradients are reduced, this rank looks at its loss and at its shard of the reduced
     gradients (the shards of all ranks cover every gradient once): one pass over 1/N of them
-    for the sum of squares, which is non-finite exactly when some element is. Three numbers
-    (non-finite losses, the sum of squares, the loss) are summed across ranks by one small
-    allreduce on the communication thread. When nothing depends on the answer before the
+    for the sum of squares, which is non-finite exactly when some element is (mode ``ignore``
+    without clipping or loss scale skips that pass). Four numbers (non-finite losses, the sum
+    of squares, the loss, stop votes) are summed across ranks by one small allreduce on the
+    communication thread. When nothing depends on the answer before the
     update (mode ``stop``, no clipping, no loss scale) the update runs meanwhile and the
     verdict is read after it, so the step does not wait for the exchange.
 
@@ -45,12 +49,16 @@ class StepGuard:
         clip: clip the gradients to this global L2 norm (None: no clipping).
         scaler: fp16's loss scale: an overflow skips the step and backs the scale off.
         max_skipped_steps: skipped steps in a row (mode skip) before NonFiniteError.
+        stop_vote: returns True when this rank wants training to stop (a signal arrived).
     """
 
     def __init__(self, comm: Any, names: Any, *, mode: str = "stop", clip: float | None = None,
-                 scaler: LossScaler | None = None, max_skipped_steps: int = 10) -> None:
+                 scaler: LossScaler | None = None, max_skipped_steps: int = 10,
+                 stop_vote: Callable[[], bool] = lambda: False) -> None:
         self.comm, self.names, self.mode, self.clip, self.scaler = comm, names, mode, clip, scaler
-        self.max_skipped_steps = max_skipped_steps
+        self.max_skipped_steps, self.stop_vote = max_skipped_steps, stop_vote
+        self.stop_agreed = False  # some rank voted to stop in the step just settled
+        self._measured = False  # the step's sum of squares was taken (not mode ignore alone)
         self.skipped = self._in_a_row = 0
         self.norm = math.nan  # the last step's global gradient norm (after unscaling)
         self._loss: Any = None
@@ -77,10 +85,13 @@ class StepGuard:
             scale: what the gradients will be multiplied by (unscaling, micro-batches).
         """
         xp = array_module(grads[0]) if grads else np
-        flags = xp.zeros(3, np.float64)
+        flags = xp.zeros(4, np.float64)
         flags[0] = ~xp.isfinite(self._loss)
-        flags[1] = _sum_of_squares(grads, xp) * scale * scale
+        self._measured = self.mode != "ignore" or self.waits_before_update
+        if self._measured:
+            flags[1] = _sum_of_squares(grads, xp) * scale * scale
         flags[2] = self._loss
+        flags[3] = self.stop_vote()
         self._step, self._flags, self._verdict = (grads, offsets), flags, None
         try:
             self._handle = self.comm.allreduce_async(flags, "sum", out=flags)
@@ -109,6 +120,7 @@ class StepGuard:
         if self._flags is None:
             return
         bad = self._bad()
+        self.stop_agreed = bool(self._verdict[3])
         self._flags = None
         if self.scaler is not None:
             self.skipped += bad
@@ -132,7 +144,8 @@ class StepGuard:
                 self._handle.wait()
                 self._handle = None
             self._verdict = to_numpy(self._flags)
-            self.norm = math.sqrt(self._verdict[1]) if self._verdict[1] >= 0 else math.nan
+            self.norm = (math.sqrt(self._verdict[1]) if self._measured and self._verdict[1] >= 0
+                         else math.nan)
         return bool(self._verdict[0]) or not math.isfinite(self._verdict[1])
 
     def _fail(self, where: str, streak: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import resource
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+import meta_dist.failfast as failfast
 from meta_dist import checkpoint
 from meta_dist import distributed as dist
 from meta_dist.config import Config, check_same_everywhere, check_world
@@ -26,6 +28,7 @@ from meta_dist.optim import make_optimizer
 from meta_dist.train.data import DistributedSampler
 from meta_dist.train.guard import StepGuard
 from meta_dist.train.scaler import LossScaler
+from meta_dist.train.signals import StopSignals, TrainingStopped
 from meta_dist.train.schedule import learning_rate
 from meta_dist.xp import gpu_count, is_cupy_array, select_device
 from meta_dist.zero import STAGES, FlatModel, ZeroStage
@@ -114,6 +117,7 @@ class Trainer:
         check_same_everywhere(config, self.context.connector.allgather)
         self.config, self.model, self.loss_fn = config, model, loss_fn
         self.log = log if self.context.rank == self.context.root_rank else None
+        self.context.set_stall_timeout(config.dist.stall_timeout)  # the environment wins
         self.context.enable_data_parallel = config.dist.enable_data_parallel
         self.context.zero_opt_level = config.dist.zero_opt_level
         first = next(iter(p for layer in model.layers for p in layer.params.values()), None)
@@ -134,11 +138,11 @@ class Trainer:
         self.scaler = None if tcfg.precision != "fp16" else LossScaler(
             2.0**16 if tcfg.loss_scale == "dynamic" else tcfg.loss_scale,
             dynamic=tcfg.loss_scale == "dynamic", max_skipped_steps=dcfg.max_skipped_steps)
-        wanted = (dcfg.nonfinite != "ignore" or tcfg.clip_grad_norm is not None
-                  or self.scaler is not None)
+        self.signals = StopSignals()  # caught while fit() runs; every rank votes in the guard
         self.guard = StepGuard(self.comm, self._param_at, mode=dcfg.nonfinite,
                                clip=tcfg.clip_grad_norm, scaler=self.scaler,
-                               max_skipped_steps=dcfg.max_skipped_steps) if wanted else None
+                               max_skipped_steps=dcfg.max_skipped_steps,
+                               stop_vote=lambda: self.signals.pending())
         self.steps_done = 0  # optimizer steps taken
         self.total_steps: int | None = None  # for the schedule; fit() sets it
         self.position = (0, 0)  # (epoch, steps done in it): where a checkpoint resumes
@@ -211,16 +215,16 @@ class Trainer:
         self._schedule()
         total, n = self.xp.zeros((), np.float64), len(x) // k
         # the guard reports non-finite numbers itself (fp16 overflows are routine): no warnings
-        quiet = np.errstate(over="ignore", invalid="ignore") if self.guard else nullcontext()
+        checked = (self.config.dist.nonfinite != "ignore" or self.scaler is not None
+                   or self.config.train.clip_grad_norm is not None)
+        quiet = np.errstate(over="ignore", invalid="ignore") if checked else nullcontext()
         with quiet:
             self._micro_batches(x, y, k, n, scale, total)
         loss = total / k
-        if self.guard is not None:
-            self.guard.watch(loss)
+        self.guard.watch(loss)
         self.stage.step(self.guard, grad_scale=1.0 / (scale * k))
         self.steps_done += 1
-        if self.guard is not None:
-            self.guard.settle(where or f"step {self.steps_done}")
+        self.guard.settle(where or f"step {self.steps_done}")
         return loss
 
     def _micro_batches(self, x: Any, y: Any, k: int, n: int, scale: float, total: Any) -> None:
@@ -261,6 +265,9 @@ class Trainer:
         Raises:
             ValueError: the warmup is longer than the run.
             CheckpointError: the checkpoint to resume from cannot be used.
+            TrainingStopped: on every rank after the step at which some rank caught SIGTERM
+                or SIGINT (a checkpoint written first where ``checkpoint_dir`` is set); it
+                prints ``stopped by SIGTERM after step N``.
         """
         tcfg = self.config.train
         sampler = DistributedSampler(len(x), tcfg.batch_size, self.context.rank,
@@ -281,6 +288,18 @@ class Trainer:
             if skip >= sampler.steps_per_epoch:  # saved at an epoch's end: the next one
                 first_epoch, skip = first_epoch + 1, 0
         self.model.train()
+        self.signals = StopSignals()
+        with self.signals:
+            history = self._epochs(x, y, sampler, first_epoch, skip)
+        # a signal after the last step's vote (in the epoch's end, its checkpoint) still stops
+        if any(self.context.connector.allgather(self.signals.received)):
+            self._stop_on_signal(None)
+        return history
+
+    def _epochs(self, x: np.ndarray, y: np.ndarray, sampler: DistributedSampler,
+                first_epoch: int, skip: int) -> list[float]:
+        """Run fit's epochs from ``first_epoch`` (its first ``skip`` steps done already)."""
+        tcfg = self.config.train
         history = []
         for epoch in range(first_epoch, tcfg.n_epoch):
             start, total, ran = time.perf_counter(), self.xp.zeros((), np.float64), 0
@@ -293,14 +312,17 @@ class Trainer:
                 self.position = (epoch, step)
                 if step % tcfg.log_every == 0:
                     self._progress(epoch, step, ran, sampler, start, total)
+                saved = None
                 if tcfg.checkpoint_dir and tcfg.checkpoint_every and (
                         self.steps_done % tcfg.checkpoint_every == 0):
-                    self.save_checkpoint(tcfg.checkpoint_dir)
+                    saved = self.save_checkpoint(tcfg.checkpoint_dir)
+                if self.guard.stop_agreed:
+                    self._stop_on_signal(saved)
             mean = self.comm.allreduce(total.reshape(1) / max(ran, 1), "avg")
             self.comm.verify_calls()  # with META_DIST_CHECK=0, the epoch's calls compared here
             history.append(float(mean[0]))
             seconds = time.perf_counter() - start
-            skipped = self.guard.skipped if self.guard is not None else 0
+            skipped = self.guard.skipped
             self._print(f"epoch {epoch + 1}/{tcfg.n_epoch}  loss {history[-1]:.4f}  "
                         f"{ran * tcfg.batch_size / seconds:,.0f} samples/s"
                         + (f"  skipped steps {skipped}" if skipped else "")
@@ -308,6 +330,25 @@ class Trainer:
             if tcfg.checkpoint_dir and not tcfg.checkpoint_every:
                 self.save_checkpoint(tcfg.checkpoint_dir)
         return history
+
+    def _stop_on_signal(self, saved: Path | None) -> None:
+        """Stop every rank after this step (a rank caught SIGTERM or SIGINT). Collective.
+
+        Writes a checkpoint first when ``checkpoint_dir`` is set (unless this step's was just
+        written), says so once, and raises TrainingStopped (exit code 128 + the signal).
+        """
+        tcfg = self.config.train
+        if tcfg.checkpoint_dir and saved is None:  # this step's, unless it was just written
+            done = Path(tcfg.checkpoint_dir) / checkpoint.step_name(self.steps_done)
+            agreed = all(self.context.connector.allgather((done / checkpoint.MANIFEST).is_file()))
+            saved = done if agreed else self.save_checkpoint(tcfg.checkpoint_dir)
+        caught = [n for n in self.context.connector.allgather(self.signals.received) if n]
+        number = caught[0] if caught else signal.SIGTERM
+        self._print(f"stopped by {signal.Signals(number).name} after step {self.steps_done}"
+                    + (f"; checkpoint {saved} (resume_from: latest continues from it)" if saved
+                       else "; no checkpoint written (checkpoint_dir is not set)"))
+        failfast.leave_together(128 + number)  # every rank stops here: MPI finalizes
+        raise TrainingStopped(128 + number)
 
     # ------------------------------------------------------------ checkpoints
 

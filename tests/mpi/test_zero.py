@@ -259,7 +259,7 @@ def test_bytes_moved_per_step_by_level(contexts, bucket_mb):
         t.comm.traffic.reset()
         t.train_step(x[:GLOBAL_BATCH // n], y[:GLOBAL_BATCH // n])
         traffic = t.comm.traffic.bytes
-        guard = 2 * (n - 1) / n * 3 * 8  # the step guard's three numbers
+        guard = 2 * (n - 1) / n * 4 * 8  # the step guard's four numbers
         padded = sum(b.padded_size for b in t.stage.flat.buckets)
         moved[level, reshard] = (t.comm.traffic.total() - guard) / padded  # level 3 pads more
         gathered = {0: 0, 1: padded, 2: padded}.get(level, padded)
@@ -445,8 +445,8 @@ def test_a_nan_in_one_ranks_input(contexts, level, mode):
         return
     losses = trainer.fit(x, y)
     assert np.isnan(losses[0])
-    if mode == "ignore":  # no guard at all: the NaN reaches the weights, on every rank alike
-        assert trainer.guard is None
+    if mode == "ignore":  # no check: the NaN reaches the weights, on every rank alike
+        assert trainer.guard.skipped == 0
         assert not all(np.isfinite(p).all() for p in trainer.parameters().values())
         return
     assert trainer.guard.skipped == 1

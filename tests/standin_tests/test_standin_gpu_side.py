@@ -52,7 +52,8 @@ def test_ranks_sharing_a_gpu_take_mpi_on_standin(tmp_path):
 
 
 @pytest.mark.parametrize(("mode", "extra", "said"), [
-    ("stall", {}, r"\[rank 0\] nccl allreduce: waited 3 s"),
+    ("stall", {}, r"\[rank 0\] nccl allreduce #2 \(cupy float32 \(16,\)\): waited 3 s(.|\n)*"
+     r"not arrived: ranks 1, 2\n    rank 1 \(host \S+, pid \d+\): last completed allreduce #1 "),
     ("error", {"META_DIST_STANDIN_NCCL_ASYNC_ERROR": "0:2:3"},
      r"NCCL reported an error on rank 0: .*internal error"),
     ("init", {}, r"NCCL communicator creation \(ncclCommInitRank\): waited 3 s"),

@@ -1,4 +1,4 @@
-"""Imports point one way: connector <- comm <- zero <- train; nn, optim, config, xp are leaves."""
+"""Imports point one way: connector <- watchdog <- comm <- zero <- train; nn, optim, config, xp are leaves."""
 
 import ast
 from pathlib import Path
@@ -13,10 +13,11 @@ ALLOWED = {
     "meta_dist.lazy_mpi": set(),
     "meta_dist.checkpoint": set(),
     "meta_dist.connector": {"meta_dist.failfast", "meta_dist.lazy_mpi"},
+    "meta_dist.watchdog": {"meta_dist.failfast", "meta_dist.lazy_mpi", "meta_dist.xp"},
     "meta_dist.nn": {"meta_dist.xp", "meta_dist.nn"},
     "meta_dist.optim": {"meta_dist.xp", "meta_dist.optim"},
     "meta_dist.comm": {"meta_dist.comm", "meta_dist.connector", "meta_dist.failfast",
-                       "meta_dist.lazy_mpi", "meta_dist.xp"},
+                       "meta_dist.lazy_mpi", "meta_dist.watchdog", "meta_dist.xp"},
     "meta_dist.distributed": {"meta_dist.comm", "meta_dist.connector", "meta_dist.config",
                               "meta_dist.xp"},
     "meta_dist.zero": {"meta_dist.zero", "meta_dist.comm", "meta_dist.nn", "meta_dist.optim",
