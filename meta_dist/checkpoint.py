@@ -7,13 +7,16 @@ PATH`` and ``... consolidate PATH OUT.npz`` run anywhere. The trainer writes and
 A checkpoint is a directory ``step-00000042`` under ``checkpoint_dir``:
 - ``rank00003.<what>.npy`` for each rank and each of ``params`` (fp32, the master under mixed
   precision) and every optimizer state array: the rank's shard of every bucket, end to end;
+- ``buffers.npz`` (rank 0's, when the model has any): BatchNorm's running statistics, one
+  array per buffer named like the parameters;
 - ``manifest.json``: each parameter's name, shape, dtype and offset in the flat buffer the
   shards were cut from, the shard ranges each rank wrote, world size, ZeRO level, optimizer
   and hyperparameters, step, epoch and position in the epoch, the loss scaler, the resolved
-  configuration, and a checksum (crc32) of every file's data.
+  configuration, and a checksum of every file's data (``Checksum``).
 Every rank writes its files into ``.tmp-step-00000042`` at once; rank 0 writes the manifest last
 and renames the directory, so a checkpoint either is complete or does not exist, and
-``latest`` names the newest complete one. Resuming maps every element through its parameter's
+``latest`` names the newest complete one (the last saved, which after a resume from an older
+one is not the highest step). ``keep_last`` prunes the oldest saves, never the newest. Resuming maps every element through its parameter's
 name and index, so the shards may be cut any other way (another world size, level, bucket size).
 """
 
@@ -23,6 +26,7 @@ import argparse
 import json
 import shutil
 import sys
+import zipfile
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,6 +36,7 @@ import numpy as np
 
 FORMAT = 1
 MANIFEST, LATEST, STEP_PREFIX, TMP_PREFIX = "manifest.json", "latest", "step-", ".tmp-step-"
+BUFFERS = "buffers.npz"
 
 
 class CheckpointError(ValueError):
@@ -48,12 +53,63 @@ def shard_file(directory: Path, rank: int, what: str) -> Path:
     return directory / f"rank{rank:05d}.{what}.npy"
 
 
+class Checksum:
+    """A checksum of a byte stream fed in pieces, at numpy's summing speed.
+
+    The stream is cut into blocks of BLOCK bytes; each block's little-endian 64-bit words are
+    summed (wrapping; the last block padded with zeros), and crc32 folds the block sums and
+    the length, so a changed word, a lost or reordered block and a truncation all show. crc32
+    over the data itself cost as much as writing it (about 4 GB/s here against numpy's sum at
+    memory speed); this is not a defence against deliberate changes, only against damage.
+    """
+
+    BLOCK = 1 << 20
+    NAME = "bsum64"
+
+    def __init__(self) -> None:
+        self._sums: list[np.ndarray] = []
+        self._partial = bytearray()
+        self._length = 0
+
+    def update(self, data: Any) -> None:
+        """Add the bytes of ``data`` (a contiguous array or a bytes-like object)."""
+        flat = np.frombuffer(memoryview(data).cast("B"), np.uint8)
+        self._length += flat.size
+        if self._partial:
+            take = min(self.BLOCK - len(self._partial), flat.size)
+            self._partial += flat[:take].tobytes()
+            flat = flat[take:]
+            if len(self._partial) == self.BLOCK:
+                self._sums.append(_block_sums(np.frombuffer(self._partial, np.uint8)))
+                self._partial = bytearray()
+        whole = flat.size - flat.size % self.BLOCK
+        if whole:
+            self._sums.append(_block_sums(flat[:whole]))
+        self._partial += flat[whole:].tobytes()
+
+    def hexdigest(self) -> str:
+        """Return the checksum as written in a manifest: ``bsum64:<8 hex digits>``."""
+        tail = [_block_sums(np.frombuffer(bytes(self._partial), np.uint8))] if self._partial else []
+        crc = zlib.crc32(np.uint64(self._length).tobytes())
+        for sums in self._sums + tail:
+            crc = zlib.crc32(sums.astype("<u8").tobytes(), crc)
+        return f"{self.NAME}:{crc:08x}"
+
+
+def _block_sums(data: np.ndarray) -> np.ndarray:
+    """Return the wrapping sum of each BLOCK-byte block's 64-bit words (uint8 ``data``)."""
+    pad = -data.size % Checksum.BLOCK
+    if pad:
+        data = np.concatenate([data, np.zeros(pad, np.uint8)])
+    return data.view("<u8").reshape(-1, Checksum.BLOCK // 8).sum(axis=1, dtype=np.uint64)
+
+
 def save_shard(directory: Path, rank: int, arrays: dict[str, list[np.ndarray]]) -> dict[str, str]:
     """Write this rank's arrays into ``directory`` (created); return {file name: checksum}.
 
     Each value is a list of 1-D pieces of one dtype, written end to end as one ``.npy`` file
-    straight from the pieces (no concatenated copy); the checksum (crc32 of the data, computed
-    as it is written) lets a reader find a corrupt or truncated file.
+    straight from the pieces (no concatenated copy); the checksum (``Checksum``, computed as
+    it is written) lets a reader find a corrupt or truncated file.
     """
     directory.mkdir(parents=True, exist_ok=True)
     sums = {}
@@ -61,15 +117,26 @@ def save_shard(directory: Path, rank: int, arrays: dict[str, list[np.ndarray]]) 
         path = shard_file(directory, rank, what)
         header = {"descr": np.lib.format.dtype_to_descr(pieces[0].dtype), "fortran_order": False,
                   "shape": (sum(int(p.size) for p in pieces),)}
-        crc = 0
+        checksum = Checksum()
         with path.open("wb") as stream:
             np.lib.format.write_array_header_1_0(stream, header)
             for piece in pieces:
-                data = memoryview(np.ascontiguousarray(piece)).cast("B")
-                stream.write(data)
-                crc = zlib.crc32(data, crc)
-        sums[path.name] = f"crc32:{crc:08x}"
+                data = np.ascontiguousarray(piece)
+                stream.write(memoryview(data).cast("B"))
+                checksum.update(data)
+        sums[path.name] = checksum.hexdigest()
     return sums
+
+
+def save_buffers(directory: Path, buffers: dict[str, np.ndarray]) -> dict[str, str]:
+    """Write the model's buffers (BatchNorm's running statistics) as ``buffers.npz``.
+
+    Returns {"buffers.npz/<name>": checksum}. One rank (the root) calls it.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    np.savez(directory / BUFFERS, **buffers)
+    return {f"{BUFFERS}/{name}": _checksum(np.ascontiguousarray(a))
+            for name, a in buffers.items()}
 
 
 def commit(tmp: Path, manifest: dict[str, Any], keep_last: int) -> Path:
@@ -77,18 +144,36 @@ def commit(tmp: Path, manifest: dict[str, Any], keep_last: int) -> Path:
 
     Called once every rank's files are in ``tmp`` (after a barrier). The rename is atomic, so a
     rank killed during the save leaves the previous checkpoint the latest; pruning happens only
-    after this one is complete.
+    after this one is complete, by the order of the saves (a run resumed from an older
+    checkpoint saves lower step numbers than the ones it left behind: those go first), and
+    never removes the new one. Temporary directories of saves that were cut off are removed.
     """
+    manifest = {**manifest, "saved": _next_save_number(tmp.parent)}
     _write_atomically(tmp / MANIFEST, json.dumps(manifest, indent=1))
     final = tmp.parent / step_name(manifest["step"])
     if final.exists():  # saved again at the same step (a resumed run): replace it
         shutil.rmtree(final)
     tmp.rename(final)
     _write_atomically(tmp.parent / LATEST, final.name + "\n")
-    complete = sorted(p for p in tmp.parent.iterdir() if _is_complete(p))
+    complete = sorted((p for p in tmp.parent.iterdir() if _is_complete(p)), key=_save_number)
     for old in complete[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
+    for stale in tmp.parent.glob(f"{TMP_PREFIX}*"):  # every rank has finished this save
+        shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def _save_number(path: Path) -> tuple[int, str]:
+    """Order of a complete checkpoint's save (older formats: by name, before any newer)."""
+    try:
+        return json.loads((path / MANIFEST).read_text()).get("saved", -1), path.name
+    except (OSError, ValueError):
+        return -1, path.name
+
+
+def _next_save_number(directory: Path) -> int:
+    return 1 + max((_save_number(p)[0] for p in directory.iterdir() if _is_complete(p)),
+                   default=0)
 
 
 def resolve(path: str | Path) -> Path:
@@ -106,7 +191,7 @@ def resolve(path: str | Path) -> Path:
     named = (path / LATEST).read_text().strip() if (path / LATEST).is_file() else ""
     if named and _is_complete(path / named):
         return path / named
-    complete = sorted(p for p in path.iterdir() if _is_complete(p))
+    complete = sorted((p for p in path.iterdir() if _is_complete(p)), key=_save_number)
     if not complete:
         raise CheckpointError(
             f"checkpoint: {path} holds no complete checkpoint (a {STEP_PREFIX}N directory with "
@@ -118,15 +203,17 @@ def resolve(path: str | Path) -> Path:
 class Reader:
     """Read any element of a checkpoint by parameter name, whatever shards it was cut into.
 
-    Files are memory-mapped and checked against their checksums when first opened, so a
-    reader touches only what it is asked for.
+    Files are memory-mapped, so a reader touches only what it is asked for, and (``verify``)
+    checked against their checksums when first opened.
 
     Args:
         path: a checkpoint directory (see ``resolve``).
+        verify: check each file's checksum when first opened; without it, ``check`` does
+            (the trainer shares the files out among its ranks: each is read once).
     """
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = resolve(path)
+    def __init__(self, path: str | Path, verify: bool = True) -> None:
+        self.path, self.verify = resolve(path), verify
         try:
             self.manifest = json.loads((self.path / MANIFEST).read_text())
         except (OSError, ValueError) as error:
@@ -137,6 +224,7 @@ class Reader:
                                   f"{self.manifest.get('format')!r}; expected {FORMAT}")
         self.params = {p["name"]: p for p in self.manifest["params"]}
         self._files: dict[tuple[int, str], np.ndarray] = {}
+        self._checked: set[tuple[int, str]] = set()
         # per parameter: (first element, end, rank, offset in that rank's files), by element
         self._pieces: dict[str, list[tuple[int, int, int, int]]] = {n: [] for n in self.params}
         for rank, ranges in enumerate(self.manifest["shards"]):
@@ -167,7 +255,50 @@ class Reader:
         """Return parameter ``name``'s ``what`` in its shape."""
         return self.read(what, name).reshape(self.params[name]["shape"])
 
-    def _file(self, rank: int, what: str) -> np.ndarray:
+    def files(self) -> list[tuple[int, str]]:
+        """Return every (rank, what) the checkpoint holds a file for."""
+        whats = ["params", *self.manifest["optimizer"]["state"]]
+        return [(rank, what) for what in whats for rank in range(len(self.manifest["shards"]))]
+
+    def check(self, rank: int, what: str) -> None:
+        """Open rank ``rank``'s file ``what`` and compare it with its checksum now.
+
+        Raises:
+            CheckpointError: the file is missing, unreadable or does not match its checksum.
+        """
+        array = self.open(rank, what)
+        path = shard_file(self.path, rank, what)
+        want = self.manifest["checksums"].get(path.name)
+        if want is not None and _checksum(array, want.split(":")[0]) != want:
+            raise CheckpointError(f"checkpoint: {path} does not match its checksum; it is "
+                                  "corrupt or was changed after the save: use another "
+                                  "checkpoint (the previous one is kept, keep_last)")
+        self._checked.add((rank, what))
+
+    def buffers(self) -> dict[str, np.ndarray]:
+        """Return the saved buffers ({name: array}; empty for a model without any), checked."""
+        if not self.manifest.get("buffers"):
+            return {}
+        path = self.path / BUFFERS
+        try:
+            with np.load(path, allow_pickle=False) as saved:
+                arrays = {name: saved[name] for name in saved.files}
+        except (ValueError, OSError, KeyError) as error:
+            raise CheckpointError(f"checkpoint: {path} is not a readable .npz file ({error}); "
+                                  "it is truncated or corrupt") from None
+        for name, a in arrays.items():
+            want = self.manifest["checksums"].get(f"{BUFFERS}/{name}")
+            if want is not None and _checksum(a, want.split(":")[0]) != want:
+                raise CheckpointError(f"checkpoint: {path} ({name}) does not match its "
+                                      "checksum; it is corrupt or was changed after the save")
+        return arrays
+
+    def open(self, rank: int, what: str) -> np.ndarray:
+        """Memory-map rank ``rank``'s file ``what`` (its header read; no checksum).
+
+        Raises:
+            CheckpointError: the file is missing or not a readable .npy file.
+        """
         key = (rank, what)
         if key not in self._files:
             path = shard_file(self.path, rank, what)
@@ -176,17 +307,16 @@ class Reader:
                                       f"files ({len(self.manifest['shards'])} ranks wrote one "
                                       f"each): copy the whole checkpoint directory")
             try:
-                array = np.load(path, mmap_mode="r", allow_pickle=False)
+                self._files[key] = np.load(path, mmap_mode="r", allow_pickle=False)
             except (ValueError, OSError) as error:
                 raise CheckpointError(f"checkpoint: {path} is not a readable .npy file "
                                       f"({error}); it is truncated or corrupt") from None
-            want = self.manifest["checksums"].get(path.name)
-            if want is not None and _checksum(array) != want:
-                raise CheckpointError(f"checkpoint: {path} does not match its checksum; it is "
-                                      "corrupt or was changed after the save: use another "
-                                      "checkpoint (the previous one is kept, keep_last)")
-            self._files[key] = array
         return self._files[key]
+
+    def _file(self, rank: int, what: str) -> np.ndarray:
+        if self.verify and (rank, what) not in self._checked:
+            self.check(rank, what)
+        return self.open(rank, what)
 
 
 def check_same_model(reader: Reader, params: dict[str, tuple[int, ...]]) -> None:
@@ -226,18 +356,20 @@ def consolidate(path: str | Path, out: str | Path, optimizer: bool = False) -> P
     """Write one .npz with one array per parameter (and, asked, per optimizer state array).
 
     Parameter arrays are named as the model names them (``model.state()``); optimizer state
-    ``optimizer/<key>/<parameter>``. Reads one parameter at a time, so it needs memory for the
-    largest one, not the model.
+    ``optimizer/<key>/<parameter>``. The .npz (np.savez's layout: one stored ``.npy`` member per
+    array) is written one parameter at a time, so it needs memory for the largest one, not the
+    model.
     """
     reader = Reader(path)
     whats = ["params"] + (list(reader.manifest["optimizer"]["state"]) if optimizer else [])
     out = Path(out)
-    arrays = {}
-    for what in whats:
-        for name in reader.params:
-            key = name if what == "params" else f"optimizer/{what}/{name}"
-            arrays[key] = reader.whole(what, name)
-    np.savez(out, **arrays)
+    with zipfile.ZipFile(out, "w", allowZip64=True) as archive:
+        for what in whats:
+            for name in reader.params:
+                key = name if what == "params" else f"optimizer/{what}/{name}"
+                with archive.open(f"{key}.npy", "w", force_zip64=True) as member:
+                    np.lib.format.write_array(member, reader.whole(what, name),
+                                              allow_pickle=False)
     return out
 
 
@@ -245,13 +377,18 @@ def _is_complete(path: Path) -> bool:
     return path.name.startswith(STEP_PREFIX) and (path / MANIFEST).is_file()
 
 
-def _checksum(array: np.ndarray) -> str:
-    """Return the crc32 of an array's data, read in blocks (a memory map stays a map)."""
-    crc, flat, step = 0, array.reshape(-1), (1 << 24) // max(array.itemsize, 1)
+def _checksum(array: np.ndarray, kind: str = Checksum.NAME) -> str:
+    """Return an array's checksum (``Checksum``, or crc32 as the first saves wrote), read in
+    blocks so that a memory map stays a map."""
+    flat, step = array.reshape(-1), (1 << 24) // max(array.itemsize, 1)
+    checksum, crc = Checksum(), 0
     for start in range(0, flat.size, step):
-        crc = zlib.crc32(memoryview(np.ascontiguousarray(flat[start : start + step])).cast("B"),
-                         crc)
-    return f"crc32:{crc:08x}"
+        block = np.ascontiguousarray(flat[start : start + step])
+        if kind == "crc32":
+            crc = zlib.crc32(memoryview(block).cast("B"), crc)
+        else:
+            checksum.update(block)
+    return f"crc32:{crc:08x}" if kind == "crc32" else checksum.hexdigest()
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -30,7 +30,7 @@ from meta_dist.train.guard import StepGuard
 from meta_dist.train.scaler import LossScaler
 from meta_dist.train.signals import StopSignals, TrainingStopped
 from meta_dist.train.schedule import learning_rate
-from meta_dist.xp import gpu_count, is_cupy_array, select_device
+from meta_dist.xp import gpu_count, is_cupy_array, select_device, to_numpy
 from meta_dist.zero import STAGES, FlatModel, ZeroStage
 from meta_dist.zero.stages import broadcast_model
 
@@ -361,6 +361,9 @@ class Trainer:
         root = Path(path)
         tmp = root / f"{checkpoint.TMP_PREFIX}{self.steps_done:08d}"
         sums = checkpoint.save_shard(tmp, self.context.rank, self.stage.export_shard())
+        buffers = self._buffers()
+        if buffers and self.context.rank == self.context.root_rank:  # rank 0's, as DDP keeps
+            sums.update(checkpoint.save_buffers(tmp, {n: to_numpy(b) for n, b in buffers.items()}))
         everyone = self.context.connector.allgather((sums, self.stage.shard_ranges()))
         final = root / checkpoint.step_name(self.steps_done)
         if self.context.rank == self.context.root_rank:
@@ -382,6 +385,8 @@ class Trainer:
             "shards": [ranges for _, ranges in everyone],
             "optimizer": {"name": opt.name, "hyperparameters": _plain(opt.hyperparameters),
                           "step_count": opt.step_count, "state": sorted(opt.state)},
+            "buffers": [{"name": n, "shape": list(b.shape), "dtype": str(b.dtype)}
+                        for n, b in self._buffers().items()],
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "schedule": {"steps_done": self.steps_done, "total_steps": self.total_steps},
             "config": self.config.as_dicts(),
@@ -398,7 +403,7 @@ class Trainer:
         """
         problem, reader = None, None
         try:
-            reader = checkpoint.Reader(path)
+            reader = checkpoint.Reader(path, verify=False)
             checkpoint.check_same_model(reader, {self._name(s): s.shape
                                                  for s in self.stage.flat.slots})
             saved = reader.manifest["optimizer"]
@@ -410,9 +415,14 @@ class Trainer:
                     f"{self.stage.optimizer.name} (state "
                     f"{', '.join(sorted(self.stage.optimizer.state)) or 'none'}); expected the "
                     "same optimizer: set optimizer (and momentum) as the saved run did")
-            for what in ("params", *saved["state"]):  # open (and check) every file first
-                for rank in range(len(reader.manifest["shards"])):
-                    reader._file(rank, what)
+            files = reader.files()
+            for rank, what in files:  # every file there and readable, on every rank
+                reader.open(rank, what)
+            me, size = self.context.rank, self.context.size
+            for rank, what in files[me::size]:  # each checksum read once, shared out
+                reader.check(rank, what)
+            buffers = reader.buffers() if me == self.context.root_rank else None
+            self._check_buffers(reader, buffers)
         except checkpoint.CheckpointError as error:
             problem = str(error)
         problems = [p for p in self.context.connector.allgather(problem) if p]
@@ -420,6 +430,13 @@ class Trainer:
             raise checkpoint.CheckpointError(problems[0])
         names = {s: self._name(s) for s in self.stage.flat.slots}
         self.stage.import_values(reader.read, names.__getitem__)
+        live = self._buffers()
+        if live:  # rank 0 read and checked them: one broadcast gives every rank the same
+            if self.context.rank == self.context.root_rank:
+                for name, array in live.items():
+                    array[...] = self.xp.asarray(buffers[name])
+            self.comm.broadcast(list(live.values()), self.context.root_rank,
+                                out=list(live.values()))
         m = reader.manifest
         self.stage.optimizer.step_count = m["optimizer"]["step_count"]
         if self.scaler is not None and m["scaler"] is not None:
@@ -439,6 +456,27 @@ class Trainer:
             changed.append(f"world size: {m['world_size']} -> {self.context.size}")
         self._print(f"resumed from {reader.path} at epoch {m['epoch'] + 1} step "
                     f"{m['epoch_step']}" + (f" (changed: {'; '.join(changed)})" if changed else ""))
+
+    def _buffers(self) -> dict[str, Any]:
+        """Return the model's buffers (BatchNorm's running statistics) by name, live arrays."""
+        return {f"{i}.{type(layer).__name__}.{name}": getattr(layer, name)
+                for i, layer in enumerate(self.model.layers) for name in layer.buffer_names}
+
+    def _check_buffers(self, reader: checkpoint.Reader, saved: dict[str, Any] | None) -> None:
+        """Raise CheckpointError unless the checkpoint's buffers are this model's (names, shapes).
+
+        ``saved``: the buffers as read (the root rank; None elsewhere, which checks the
+        manifest's list only).
+        """
+        mine = {n: tuple(b.shape) for n, b in self._buffers().items()}
+        listed = {b["name"]: tuple(b["shape"]) for b in reader.manifest.get("buffers", [])}
+        if saved is not None:
+            listed = {n: tuple(a.shape) for n, a in saved.items()}
+        if listed != mine and (listed or "buffers" in reader.manifest):
+            raise checkpoint.CheckpointError(
+                f"checkpoint: {reader.path} holds buffers {sorted(listed.items())}; this model "
+                f"has {sorted(mine.items())}; expected the same (BatchNorm layers): build the "
+                "model the checkpoint was saved from")
 
     def _name(self, slot: Any) -> str:
         return f"{slot.layer}.{type(self.model.layers[slot.layer]).__name__}.{slot.name}"

@@ -5,7 +5,7 @@
     mpirun -np 1 python scripts/distributed/bench_checkpoint.py load DIR [--level 0]
 
 ``save`` builds the MLP 784-H x depth-10 with Adam (22.6M parameters by default), takes one step,
-and times ``Trainer.save_checkpoint`` (every rank writes its shard at once, with sha256 sums);
+and times ``Trainer.save_checkpoint`` (every rank writes its shard at once, with checksums);
 rank 0 then times ``np.save`` of the same number of bytes alone, one process, into the same
 directory. ``load`` times ``Trainer.load_checkpoint`` of DIR's latest checkpoint at this job's
 world size and level (resharding when they differ from the save). Times are the max over

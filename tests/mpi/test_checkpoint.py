@@ -12,7 +12,9 @@ from test_zero import deep, make_config
 from meta_dist import MPIConnector, checkpoint
 from meta_dist.checkpoint import CheckpointError
 from meta_dist.distributed import DistContext
+from meta_dist.nn.layers import BatchNorm, Linear, Tanh
 from meta_dist.nn.losses import softmax_cross_entropy
+from meta_dist.nn.model import Sequential
 from meta_dist.train import Trainer
 
 STEPS, BATCH = 5, 60
@@ -102,6 +104,33 @@ def test_consolidate_writes_the_live_parameters(world, shared_dir, tmp_path):
     assert "step 6" in checkpoint.info(saved)
 
 
+def test_batchnorm_statistics_resume_as_rank_0_saved_them(world, shared_dir):
+    """Running statistics are per rank (each sees its own batches); the checkpoint keeps rank
+    0's, as DDP's broadcast_buffers does, and a resumed run starts every rank from them."""
+    def bn_trainer(**train):
+        rng = np.random.default_rng(7)
+        model = Sequential(Linear(4, 6, rng=rng), BatchNorm(6), Tanh(), Linear(6, 3, rng=rng))
+        config = make_config(2, "adam", "float32", bucket_mb=2e-4, batch=BATCH, n_epoch=1,
+                             n_mini_batch=3, **train)
+        return Trainer(model, config, context=world, loss_fn=softmax_cross_entropy, log=None)
+
+    x, y = data()
+    first = bn_trainer(checkpoint_dir=shared_dir)
+    first.fit(x, y)  # saved at the epoch's end
+    rank0 = world.connector.broadcast({n: np.array(b) for n, b in first._buffers().items()})
+    assert not np.allclose(rank0["1.BatchNorm.running_mean"], 0)  # it moved while training
+    resumed = bn_trainer(resume_from=shared_dir)
+    resumed.load_checkpoint(shared_dir)
+    for name, array in resumed._buffers().items():
+        np.testing.assert_array_equal(array, rank0[name])
+    manifest = json.loads((checkpoint.resolve(shared_dir) / "manifest.json").read_text())
+    assert [b["name"] for b in manifest["buffers"]] == ["1.BatchNorm.running_mean",
+                                                        "1.BatchNorm.running_var"]
+    plain = trainer(world, 2)  # the same checkpoint for a model without BatchNorm: refused
+    with pytest.raises(CheckpointError, match="holds another model"):
+        plain.load_checkpoint(shared_dir)
+
+
 def test_bad_checkpoints_fail_on_every_rank_before_anything_changes(world, shared_dir):
     x, y = data()
     t = trainer(world, 1)
@@ -140,9 +169,10 @@ def test_bad_checkpoints_fail_on_every_rank_before_anything_changes(world, share
     broken(lambda: file.unlink())
     refused("rank00000.exp_avg.npy is missing")
     broken(lambda: file.write_bytes(data_bytes))
-    manifest = json.loads((saved / "manifest.json").read_text())
-    manifest["params"][0]["shape"] = [9, 9]
     original = (saved / "manifest.json").read_text()
+    manifest = json.loads(original)
+    manifest["params"][0]["shape"] = [9, 9]
+    world.connector.barrier()  # every rank has read it before rank 0 rewrites it
     broken(lambda: (saved / "manifest.json").write_text(json.dumps(manifest)))
     refused("holds another model; shapes differ: ")
     broken(lambda: (saved / "manifest.json").write_text(original))

@@ -1,0 +1,72 @@
+"""Checkpoint files without MPI: the checksum, pruning by save order, cut-off saves cleaned up."""
+
+import json
+
+import numpy as np
+import pytest
+
+from meta_dist import checkpoint
+from meta_dist.checkpoint import Checksum, _checksum
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of 64 bytes, so that short arrays cross many block boundaries."""
+    monkeypatch.setattr(Checksum, "BLOCK", 64)
+
+
+@pytest.mark.parametrize("sizes", [[1000], [3, 61, 7, 200, 1], [16] * 9, [0, 5, 0, 33]])
+def test_pieces_and_the_whole_file_give_one_checksum(small_blocks, sizes):
+    """What save_shard computes from the pieces it writes is what a reader computes from the
+    file: block boundaries do not depend on where the pieces end."""
+    rng = np.random.default_rng(1)
+    pieces = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    fed = Checksum()
+    for p in pieces:
+        fed.update(p)
+    assert fed.hexdigest() == _checksum(np.concatenate(pieces))
+
+
+def test_damage_changes_the_checksum(small_blocks):
+    data = np.random.default_rng(2).integers(0, 255, 4096, np.uint8)
+    digest = _checksum(data)
+    flipped = data.copy()
+    flipped[1234] ^= 0x08
+    swapped = np.concatenate([data[64:128], data[:64], data[128:]])  # two blocks reordered
+    for changed in (flipped, swapped, data[:-1], np.concatenate([data, [0]]).astype(np.uint8)):
+        assert _checksum(changed) != digest
+    assert digest.startswith("bsum64:") and _checksum(data.copy()) == digest
+
+
+def test_old_crc32_checksums_still_verify():
+    data = np.arange(1000, dtype=np.float32)
+    import zlib
+
+    assert _checksum(data, "crc32") == f"crc32:{zlib.crc32(data.tobytes()):08x}"
+
+
+def save(directory, step, keep_last):
+    tmp = directory / f"{checkpoint.TMP_PREFIX}{step:08d}"
+    tmp.mkdir(parents=True)
+    return checkpoint.commit(tmp, {"step": step}, keep_last)
+
+
+def test_keep_last_prunes_the_oldest_saves_not_the_lowest_steps(tmp_path):
+    """A run resumed from step 10 saves step 15 after steps 10 and 20 exist: the new save is
+    the latest and is kept; the oldest saves go (by name, step 15 would have been deleted)."""
+    save(tmp_path, 10, keep_last=2)
+    save(tmp_path, 20, keep_last=2)
+    save(tmp_path, 15, keep_last=2)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000015", "step-00000020"]
+    assert checkpoint.resolve(tmp_path).name == "step-00000015"
+    save(tmp_path, 16, keep_last=1)
+    assert [p.name for p in tmp_path.glob("step-*")] == ["step-00000016"]
+    assert (tmp_path / "latest").read_text().strip() == "step-00000016"
+
+
+def test_a_completed_save_removes_cut_off_ones(tmp_path):
+    (tmp_path / f"{checkpoint.TMP_PREFIX}00000003").mkdir()  # a save killed midway
+    (tmp_path / f"{checkpoint.TMP_PREFIX}00000003" / "rank00000.params.npy").write_bytes(b"x")
+    save(tmp_path, 4, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000004"]
+    assert json.loads((tmp_path / "step-00000004" / "manifest.json").read_text())["saved"] == 1
