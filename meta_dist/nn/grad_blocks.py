@@ -5,7 +5,8 @@ makes the blocks. A layer's backward normally writes each parameter gradient int
 ``grads[name]`` at once. A layer too large for one communication bucket may instead find a
 GradBlocks there: it then computes the gradient a block of rows at a time (top rows first) into
 the arrays the blocks give it, so the whole gradient never exists at once, and the owner of the
-blocks learns as each one is written.
+blocks learns as each one is written. A parameter tied to later layers (weight tying) carries
+their gradients as ``extra``: each block adds their rows before it counts as written.
 """
 
 from __future__ import annotations
@@ -24,13 +25,16 @@ class GradBlocks:
         spans: ``(first_row, stop_row)`` of each block, top rows first.
         target: returns the array a block is written into, shaped like its rows.
         written: told ``(first_row, stop_row)`` once a block holds its rows.
+        extra: arrays of the parameter's shape whose rows are added to each block (the
+            gradients the parameter's other uses wrote; their backward runs first).
     """
 
     def __init__(self, shape: tuple[int, ...], spans: list[tuple[int, int]],
-                 target: Callable[[int, int], Any], written: Callable[[int, int], None]) -> None:
+                 target: Callable[[int, int], Any], written: Callable[[int, int], None],
+                 extra: tuple[Any, ...] = ()) -> None:
         self.shape = tuple(shape)
         self.spans = spans
-        self._target, self._written = target, written
+        self._target, self._written, self.extra = target, written, extra
 
     def blocks(self) -> Iterator[tuple[int, int, Any]]:
         """Yield ``(first_row, stop_row, out)`` for each block, top rows first."""
@@ -50,5 +54,7 @@ def write_grad(grad: Any, rows_into: RowsInto) -> None:
     if isinstance(grad, GradBlocks):
         for first, stop, out in grad.blocks():
             rows_into(first, stop, out)
+            for other in grad.extra:  # a tied parameter: its other uses' gradients add up
+                out += other[first:stop] if other.ndim else other
     else:
         rows_into(0, grad.shape[0] if grad.ndim else 1, grad)

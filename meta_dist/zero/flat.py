@@ -2,11 +2,18 @@
 
 Imports meta_dist.nn (the model and GradBlocks) and meta_dist.zero.partition. Optimizers and
 ZeRO stages then work on slices of one 1-D array and never walk layers.
+
+Tied parameters (one array held by two layers, as a GPT's token embedding and its output
+head): the first layer that holds it owns its one slot (one parameter, in one shard, at every
+level); a later layer gets the same parameter view and a private gradient array, and the
+owner's gradient adds those in as it is written (``GradBlocks.extra``). The owner comes first
+in forward order, so its backward runs last, after every other use has written.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from meta_dist.nn.grad_blocks import GradBlocks
@@ -32,18 +39,21 @@ class FlatModel:
         isolate_cut_layers: see ``partition.plan`` (ZeRO-3 asks for it).
 
     Raises:
-        ValueError: one layer object, or one parameter array, appears twice in the model.
+        ValueError: one layer object appears twice in the model, or a tied parameter's owner
+            does not write its gradients by rows (``write_grad``).
     """
 
     def __init__(self, model: Sequential, bucket_numel: int, world: int, xp: Any,
                  dtype: Any, master_dtype: Any = None, isolate_cut_layers: bool = False) -> None:
         self.model, self.xp, self.dtype = model, xp, xp.dtype(dtype)
         layers = model.layers
-        refuse_shared(layers)
+        self.ties = find_ties(layers)
+        tied = {(t.layer, t.name) for t in self.ties}
         splittable = frozenset(i for i, layer in enumerate(layers)
                                if getattr(layer, "grad_rows", False))
         self.slots, self.buckets = plan(
-            [[(n, p.shape) for n, p in layer.params.items()] for layer in layers],
+            [[(n, p.shape) for n, p in layer.params.items() if (i, n) not in tied]
+             for i, layer in enumerate(layers)],
             bucket_numel, world, splittable, isolate_cut_layers)
         mixed = master_dtype is not None and xp.dtype(master_dtype) != self.dtype
         first = xp.zeros(self.buckets[-1].stop, master_dtype if mixed else dtype)
@@ -56,6 +66,12 @@ class FlatModel:
         if mixed:
             for slot in self.slots:
                 layers[slot.layer].params[slot.name] = self.view(self.flat_params, slot)
+        self.bind_ties()
+        self.tie_grads: dict[tuple[int, str], list[Any]] = {}  # owner -> the later uses' grads
+        for tie in self.ties:
+            grad = xp.zeros(layers[tie.layer].params[tie.name].shape, self.dtype)
+            layers[tie.layer].grads[tie.name] = grad
+            self.tie_grads.setdefault((tie.owner, tie.owner_name), []).append(grad)
         self.layer_slots: dict[int, list[Slot]] = {}
         for slot in self.slots:
             self.layer_slots.setdefault(slot.layer, []).append(slot)
@@ -77,11 +93,24 @@ class FlatModel:
         """Return the buckets overlapping flat elements ``[begin, end)``, lowest first."""
         return [b for b in self.buckets if b.start < end and begin < b.stop]
 
+    def bind_ties(self, layers: set[int] | None = None) -> None:
+        """Give the later uses of tied parameters the owner's current parameter views
+        (of the owners in ``layers``; None: all)."""
+        model = self.model.layers
+        for tie in self.ties:
+            if layers is None or tie.owner in layers:
+                model[tie.layer].params[tie.name] = model[tie.owner].params[tie.owner_name]
+
     def bind_grads(self, layer: int, buffer: Any, base: int = 0) -> None:
         """Point layer ``layer``'s grads at ``buffer``, whose element 0 is flat element ``base``."""
         grads = self.model.layers[layer].grads
         for slot in self.layer_slots.get(layer, ()):
-            grads[slot.name] = self.view(buffer, slot, base)
+            view = self.view(buffer, slot, base)
+            extra = self.tie_grads.get((layer, slot.name))
+            grads[slot.name] = view if extra is None else GradBlocks(
+                slot.shape, [(0, slot.shape[0] if slot.shape else 1)],
+                lambda first, stop, v=view: v[first:stop] if v.ndim else v,
+                lambda first, stop: None, tuple(extra))
 
     def bind_blocks(self, layer: int, target: Callable[[Bucket, Slot, int, int], Any],
                     written: Callable[[int], None]) -> None:
@@ -101,35 +130,51 @@ class FlatModel:
             grads[slot.name] = GradBlocks(
                 slot.shape, [(first, stop) for first, stop, _ in spans],
                 lambda first, stop, s=slot, b=by_rows: target(b[(first, stop)], s, first, stop),
-                lambda first, stop, s=slot: written(s.offset + first * s.row))
+                lambda first, stop, s=slot: written(s.offset + first * s.row),
+                tuple(self.tie_grads.get((layer, slot.name), ())))
 
 
-def refuse_shared(layers: list[Any]) -> None:
-    """Refuse a layer object, or a parameter array, used at two places of the model.
+@dataclass(frozen=True)
+class Tie:
+    """Layer ``layer``'s parameter ``name`` is layer ``owner``'s ``owner_name`` (owner first)."""
 
-    Each place would get its own copy of the parameters (trained apart: wrong gradients, and
-    replicas that no longer tie), and a layer keeps one forward's inputs for its backward, so
-    a second use overwrites the first's. Nothing here can train that correctly yet.
+    layer: int
+    name: str
+    owner: int
+    owner_name: str
+
+
+def find_ties(layers: list[Any]) -> list[Tie]:
+    """Return the model's tied parameters: arrays held by more than one layer.
 
     Raises:
-        ValueError: naming both positions and what to do instead.
+        ValueError: one layer object used at two places (its saved activations would be
+            overwritten by the second use), or a tied parameter whose owner writes its
+            gradients otherwise than by rows (the later uses could not be added in).
     """
     layer_at: dict[int, int] = {}
     array_at: dict[int, tuple[int, str]] = {}
+    ties = []
     for i, layer in enumerate(layers):
         kind = type(layer).__name__
         if id(layer) in layer_at:
             raise ValueError(
                 f"the model uses one {kind} object twice: layers {layer_at[id(layer)]} and {i}; "
-                "meta_dist would train two copies of its parameters apart (wrong gradients) "
-                f"and its saved activations would be overwritten; build a separate {kind} for "
-                "each place (weight tying is not supported)")
+                "a layer keeps one forward's inputs for its backward, so the second use would "
+                f"overwrite the first's; build a second {kind} for the second place and tie "
+                "its parameters to the first's (second.params[name] = first.params[name])")
         layer_at[id(layer)] = i
         for name, array in layer.params.items():
-            if id(array) in array_at:
-                j, other = array_at[id(array)]
+            if id(array) not in array_at:
+                array_at[id(array)] = (i, name)
+                continue
+            owner, owner_name = array_at[id(array)]
+            if not getattr(layers[owner], "grad_rows", False):
                 raise ValueError(
-                    f"layers {j} ({other}) and {i} ({name}) share one parameter array; "
-                    "meta_dist would train two copies of it apart (wrong gradients); give "
-                    "each layer its own array (weight tying is not supported)")
-            array_at[id(array)] = (i, name)
+                    f"layers {owner} ({owner_name}) and {i} ({name}) share one parameter array, "
+                    f"and {type(layers[owner]).__name__} (layer {owner}) writes its gradient "
+                    "whole, not by rows, so the later use's gradient cannot be added to it; "
+                    "tie parameters of layers that write gradients by rows (Linear, Embedding, "
+                    "LayerNorm) or give each layer its own array")
+            ties.append(Tie(i, name, owner, owner_name))
+    return ties

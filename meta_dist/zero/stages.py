@@ -530,6 +530,16 @@ class ZeroStage3(ZeroStage2):
         self.groups = _groups(flat)
         self.group_of = {layer: g for g, group in enumerate(self.groups)
                          for layer in group["layers"]}
+        for tie in flat.ties:  # a later use of a tied parameter reads its owner's group
+            if tie.layer in self.group_of and self.group_of[tie.layer] != self.group_of[
+                    tie.owner]:
+                raise ValueError(
+                    f"ZeRO-3: layer {tie.layer} ({type(flat.model.layers[tie.layer]).__name__}) "
+                    f"has parameters of its own and {tie.name!r} tied to layer {tie.owner}'s, "
+                    "and level 3 gathers one layer's parameters at a time; tie whole layers "
+                    "(all of a later layer's parameters tied, as a GPT's output head), or use "
+                    "zero_opt_level 2")
+            self.group_of[tie.layer] = self.group_of[tie.owner]
         self.keep = not reshard_after_forward
         size = flat.flat_params.size if self.keep else max(
             g["stop"] - g["start"] for g in self.groups)
@@ -551,6 +561,7 @@ class ZeroStage3(ZeroStage2):
         nan = xp.full((), xp.nan, self.flat.dtype)
         for slot in self.flat.slots:
             self.flat.model.layers[slot.layer].params[slot.name] = xp.broadcast_to(nan, slot.shape)
+        self.flat.bind_ties()
 
     def _param_shard(self, bucket: Bucket) -> Any:
         start = self._shard_start[bucket.index]
@@ -607,6 +618,7 @@ class ZeroStage3(ZeroStage2):
             params = self.flat.model.layers[layer].params
             for slot in self.flat.layer_slots[layer]:
                 params[slot.name] = self.flat.view(self._gather[which], slot, base)
+        self.flat.bind_ties(set(self.groups[group]["layers"]))
         prefetch = self.keep or len(self._gather) > 1  # else the one buffer is in use
         if prefetch and 0 <= upcoming < len(self.groups) and self._buffer_of(upcoming) is None:
             self._start_gather(upcoming)

@@ -22,7 +22,8 @@ from meta_dist.comm.mpi_backend import MpiCommunicator
 from meta_dist.config import load_config
 from meta_dist.distributed import DistContext
 from meta_dist.nn.layers import BatchNorm, Linear, ReLU, Tanh
-from meta_dist.nn.losses import mse_loss, softmax_cross_entropy
+from meta_dist.models.gpt import gpt
+from meta_dist.nn.losses import cross_entropy_tokens, mse_loss, softmax_cross_entropy
 from meta_dist.nn.model import Sequential
 from meta_dist.train import Trainer
 from meta_dist.train.guard import NonFiniteError
@@ -52,8 +53,16 @@ def deep(rng, dtype):  # five layers, 25 + 24 + 35 + 32 + 15 = 131 parameters
     return Sequential(*[x for layer in layers for x in (layer, Tanh())][:-1])
 
 
+def tied(rng, dtype):  # 4x5 weight shared by layers 2 and 4 (as a GPT ties its head)
+    first = Linear(5, 5, bias=False, rng=rng, dtype=dtype)
+    second = Linear(5, 5, bias=False, rng=rng, dtype=dtype)
+    second.params["weight"] = first.params["weight"]
+    return Sequential(Linear(4, 5, rng=rng, dtype=dtype), Tanh(), first, Tanh(), second, Tanh(),
+                      Linear(5, 3, rng=rng, dtype=dtype))
+
+
 MODELS = {"classifier": (classifier, 4, 3), "tiny_bias": (tiny_bias, 4, None),
-          "one_parameter": (one_parameter, 1, None), "deep": (deep, 4, 3)}
+          "one_parameter": (one_parameter, 1, None), "deep": (deep, 4, 3), "tied": (tied, 4, 3)}
 OPTIMIZERS = {"sgd": {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9},
               "adam": {"optimizer": "adam", "lr": 0.01}}
 
@@ -128,6 +137,41 @@ def test_many_buckets_with_and_without_overlap(contexts, level, overlap, bucket_
     dist = run_parity(contexts, level, "adam", "classifier", "float64", 1e-9, 1e-12,
                       bucket_mb=bucket_mb, overlap=overlap)
     assert len(dist.stage.flat.buckets) >= 2
+
+
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("bucket_mb, micro", [(25.0, 1), (1e-4, 1), (1e-4, 2)])
+def test_tied_parameters_train_as_one(contexts, level, overlap, bucket_mb, micro):
+    """A weight two layers share is one parameter in one shard at every level, its gradient
+    the sum of both uses (tests/unit/test_partition.py checks that sum against finite
+    differences in one process): one bucket, many (the tied weight cut into blocks), with
+    micro-batches, with and without overlap, all train what one process trains."""
+    dist = run_parity(contexts, level, "adam", "tied", "float64", 1e-9, 1e-12,
+                      bucket_mb=bucket_mb, overlap=overlap, grad_accum_steps=micro)
+    assert sum(1 for name in dist.parameters() if name.endswith("Linear.weight")) == 3
+
+
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_a_gpt_with_its_head_tied_to_the_embedding_trains_at_every_level(contexts, level):
+    """nanoGPT's shape (the output head shares the token table) through the Trainer: one
+    parameter for the tied table, and every level at N ranks, in many buckets, trains what one
+    process trains (which tests/unit/test_torch_oracle.py checks against PyTorch)."""
+    world, alone = contexts
+    vocab, block = 11, 6
+    x = np.random.default_rng(0).integers(0, vocab, (STEPS * GLOBAL_BATCH, block))
+    y = np.roll(x, -1, axis=1)
+
+    def build(context, at_level):
+        return Trainer(gpt(vocab, block, 2, 2, 8, dtype=np.float64, seed=1),
+                       make_config(at_level, "adam", "float64", bucket_mb=2e-3),
+                       context=context, loss_fn=cross_entropy_tokens, log=None)
+
+    dist = build(world, level)
+    assert [n for n in dist.parameters() if "wte" in n or "TiedHead" in n] == [
+        "0.TokenAndPosition.wte.weight"]
+    assert len(dist.stage.flat.buckets) >= 4
+    steps_match_one_process(world, dist, build(alone, 0), x, y, steps=STEPS)
 
 
 @pytest.mark.parametrize("level", [0, 1, 2, 3])

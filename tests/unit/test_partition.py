@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 
-from meta_dist.nn.layers import Conv2d, Linear, ReLU
+from meta_dist.nn.layers import BatchNorm, Conv2d, Linear, ReLU, Tanh
 from meta_dist.nn.model import Sequential
 from meta_dist.zero import FlatModel, bucket_numel, padded_size, plan
 
@@ -105,22 +105,77 @@ def test_padding_goes_below_a_cut_parameter_not_inside_it():
     assert [(b.start, b.padded_size) for b in buckets] == [(0, 20), (20, 24), (44, 24)]
 
 
-def test_a_layer_or_parameter_used_twice_is_refused():
+def test_a_layer_object_used_twice_is_refused():
     """Sequential(l, ReLU(), l) used to build two slots for l and train them apart (its
-    gradients wrong against finite differences by 0.03-0.04); now it is refused, naming both
-    places, as is one parameter array shared by two layers."""
+    gradients wrong against finite differences by 0.03-0.04); a layer keeps one forward's
+    inputs, so it is refused, naming both places and how to tie instead."""
     rng = np.random.default_rng(0)
     twice = Linear(4, 4, rng=rng, dtype=np.float64)
-    with pytest.raises(ValueError, match=r"one Linear object twice: layers 0 and 2"):
+    with pytest.raises(ValueError, match=r"one Linear object twice: layers 0 and 2.*tie"):
         FlatModel(Sequential(twice, ReLU(), twice), 13, 2, np, np.float64)
     relu = ReLU()
     with pytest.raises(ValueError, match=r"one ReLU object twice: layers 1 and 3"):
         FlatModel(Sequential(twice, relu, Linear(4, 4, rng=rng, dtype=np.float64), relu),
                   13, 2, np, np.float64)
-    other = Linear(4, 4, rng=rng, dtype=np.float64)
-    other.params["weight"] = twice.params["weight"]
-    with pytest.raises(ValueError, match=r"layers 0 \(weight\) and 2 \(weight\) share one "):
-        FlatModel(Sequential(twice, ReLU(), other), 13, 2, np, np.float64)
+
+
+def tied_model(seed=0):
+    """Linear(3,4) Tanh A=Linear(4,4, no bias) Tanh B (A's weight) Tanh Linear(4,2)."""
+    rng = np.random.default_rng(seed)
+    first = Linear(4, 4, bias=False, rng=rng, dtype=np.float64)
+    second = Linear(4, 4, bias=False, rng=rng, dtype=np.float64)
+    second.params["weight"] = first.params["weight"]
+    return Sequential(Linear(3, 4, rng=rng, dtype=np.float64), Tanh(), first, Tanh(), second,
+                      Tanh(), Linear(4, 2, rng=rng, dtype=np.float64))
+
+
+@pytest.mark.parametrize("bucket_numel", [1000, 6])  # one bucket; the tied weight in blocks
+def test_a_tied_parameter_is_one_slot_whose_gradient_sums_both_uses(bucket_numel):
+    """The shared weight is one parameter (one slot, one view both layers read), and its
+    gradient, written by the owner after the later use, equals finite differences of the loss:
+    the sum of both uses' gradients."""
+    model = tied_model()
+    flat = FlatModel(model, bucket_numel, 1, np, np.float64)
+    assert [(s.layer, s.name) for s in flat.slots if s.layer in (2, 4)] == [(2, "weight")]
+    assert model.layers[4].params["weight"] is model.layers[2].params["weight"]
+    grads = np.zeros(flat.buckets[-1].stop)
+    written = []
+    for layer, buckets in flat.layer_buckets.items():
+        if len(buckets) > 1:
+            flat.bind_blocks(layer, lambda b, s, first, stop: flat.view(grads, s)[first:stop],
+                             written.append)
+        else:
+            flat.bind_grads(layer, grads)
+    x = np.random.default_rng(1).standard_normal((5, 3))
+
+    def loss():
+        return 0.5 * float(np.sum(model.forward(x) ** 2))
+
+    out = model.forward(x)
+    model.backward(out)
+    slot = next(s for s in flat.slots if s.layer == 2)
+    weight, got = flat.view(flat.flat_params, slot), flat.view(grads, slot)
+    want = np.zeros_like(weight)
+    for index in np.ndindex(*weight.shape):
+        keep = weight[index]
+        weight[index] = keep + 1e-6
+        up = loss()
+        weight[index] = keep - 1e-6
+        want[index] = (up - loss()) / 2e-6
+        weight[index] = keep
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-8)
+    assert np.abs(model.layers[4].grads["weight"]).max() > 0  # the later use's own part
+
+
+def test_a_tie_to_a_layer_that_writes_its_gradient_whole_is_refused():
+    rng = np.random.default_rng(0)
+    norm = BatchNorm(4, dtype=np.float64)
+    other = BatchNorm(4, dtype=np.float64)
+    other.params["weight"] = norm.params["weight"]
+    with pytest.raises(ValueError, match=r"layers 0 \(weight\) and 2 \(weight\) share one "
+                                         r"parameter array, and BatchNorm .* by rows"):
+        FlatModel(Sequential(norm, ReLU(), other, Linear(4, 2, rng=rng, dtype=np.float64)),
+                  13, 2, np, np.float64)
 
 
 def test_flat_model_views_and_padding():
