@@ -163,6 +163,10 @@ class TrainConfig(_Validated):
         checkpoint_every: Optimizer steps between checkpoints; 0 saves at each epoch's end.
         keep_last: Complete checkpoints kept (older ones are removed after a save).
         resume_from: ``latest`` (the newest in checkpoint_dir), a checkpoint's path, or null.
+        max_steps: Optimizer steps of a run counted in steps (train_gpt.py); null: n_epoch.
+        eval_every: Steps between validation evaluations (train_gpt.py; 0: at the end only).
+        n_layer, n_head, n_embd, block_size, dropout: the GPT's shape (``models.gpt``; n_head
+            must divide n_embd), for train_gpt.py.
     """
 
     n_epoch: int = _rule(3, ">= 1", lambda v: v >= 1)
@@ -196,6 +200,13 @@ class TrainConfig(_Validated):
     checkpoint_every: int = _rule(0, ">= 0", lambda v: v >= 0)
     keep_last: int = _rule(2, ">= 1", lambda v: v >= 1)
     resume_from: str | None = None
+    max_steps: int | None = _rule(None, "null or >= 1", lambda v: v is None or v >= 1)
+    eval_every: int = _rule(0, ">= 0", lambda v: v >= 0)
+    n_layer: int = _rule(2, ">= 1", lambda v: v >= 1)
+    n_head: int = _rule(2, ">= 1", lambda v: v >= 1)
+    n_embd: int = _rule(64, ">= 1", lambda v: v >= 1)
+    block_size: int = _rule(32, ">= 1", lambda v: v >= 1)
+    dropout: float = _rule(0.0, "in [0, 1)", lambda v: 0 <= v < 1)
 
     @staticmethod
     def _check_together(values: dict[str, Any], where: Callable[..., str]) -> None:
@@ -222,6 +233,11 @@ class TrainConfig(_Validated):
                 "nesterov=True, momentum=0.0, expected momentum > 0 with nesterov and sgd; set "
                 "momentum or nesterov: false"
             )
+        if values["n_embd"] % values["n_head"]:
+            raise ValueError(
+                f"{where('n_embd', 'n_head')}: {TRAIN}.n_head must divide {TRAIN}.n_embd; got "
+                f"n_embd={values['n_embd']}, n_head={values['n_head']}, expected n_embd a "
+                "multiple of n_head (each head takes n_embd / n_head channels)")
         path = values["data_path"]
         if path is not None and not Path(path).is_file():
             raise ValueError(

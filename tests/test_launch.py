@@ -339,3 +339,20 @@ def test_ctrl_c_to_mpiexec_stops_training_cleanly(tmp_path):
     assert result.returncode == 130, str(result)
     assert len(re.findall(r"stopped by SIGINT after step \d+; checkpoint ", result.output)) == 1
     assert "Traceback" not in result.output, str(result)
+
+
+def test_train_gpt_learns_and_reports_validation_loss():
+    """The GPT example on the standard library's characters: validation loss at step 0, every
+    eval_every steps and the last step (four decimals), falling; levels 0 and 3 alike."""
+    losses = {}
+    for level in (0, 3):
+        result = run(2, ["scripts/distributed/train_gpt.py", "--config", "configs/gpt-tiny.yaml",
+                         "max_steps=20", "eval_every=10", f"zero_opt_level={level}"], timeout=300)
+        assert result.returncode == 0, str(result)
+        found = re.findall(r"^step (\d+)  train loss [\d.]+  val loss (\d+\.\d{4})  ",
+                           result.output, re.M)
+        assert [int(s) for s, _ in found] == [0, 10, 20], str(result)
+        losses[level] = [float(v) for _, v in found]
+        assert losses[level][-1] < losses[level][0] - 0.5, losses
+        assert "sample:\ndef " in result.output
+    assert losses[0] == losses[3]  # one model, whatever the level (float32, same reductions)

@@ -56,6 +56,52 @@ def load_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     return x, y.astype(np.int64)
 
 
+# Modules of the standard library whose sources make the character corpus: plain prose and
+# code that every Python installation ships (never downloaded), in a fixed order.
+CORPUS_MODULES = ("textwrap", "string", "heapq", "bisect", "fractions", "statistics", "difflib",
+                  "pprint", "calendar", "argparse", "random", "shlex", "glob", "fnmatch")
+
+
+def char_corpus(max_chars: int = 400_000, modules: tuple[str, ...] = CORPUS_MODULES,
+                ) -> tuple[np.ndarray, str]:
+    """Return the standard library's sources as character ids, and the vocabulary.
+
+    The sources of ``modules`` (this Python's own), joined in order and cut at ``max_chars``;
+    characters outside printable ASCII become ``?``. The vocabulary is the sorted set of the
+    characters left, so ``vocab[id]`` decodes. Which Python runs decides the exact text.
+
+    Raises:
+        ValueError: a module has no Python source here.
+    """
+    import importlib.util
+
+    parts = []
+    for name in modules:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            raise ValueError(f"char_corpus: module {name!r} has no Python source here; got "
+                             f"{spec.origin if spec else None!r}, expected a .py file")
+        parts.append(Path(spec.origin).read_text(encoding="utf-8", errors="replace"))
+    text = "".join(c if c == "\n" or " " <= c <= "~" else "?" for c in "".join(parts)[:max_chars])
+    vocab = "".join(sorted(set(text)))
+    lookup = np.zeros(128, np.int64)
+    lookup[[ord(c) for c in vocab]] = np.arange(len(vocab))
+    return lookup[np.frombuffer(text.encode("ascii"), np.uint8)], vocab
+
+
+def windows(ids: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cut ``ids`` into next-token pairs: inputs ``ids[i:i+T]`` and targets one step on.
+
+    Windows start every ``block_size // 2`` tokens (overlapping by half), so a model sees each
+    position at two offsets; views, not copies.
+    """
+    stride = max(1, block_size // 2)
+    count = (len(ids) - block_size - 1) // stride + 1
+    starts = np.arange(count) * stride
+    view = np.lib.stride_tricks.sliding_window_view(ids, block_size + 1)[starts]
+    return view[:, :-1], view[:, 1:]
+
+
 class DistributedSampler:
     """Split each global batch across ranks (PyTorch DistributedSampler semantics).
 

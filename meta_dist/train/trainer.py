@@ -146,6 +146,7 @@ class Trainer:
         self.steps_done = 0  # optimizer steps taken
         self.total_steps: int | None = None  # for the schedule; fit() sets it
         self.position = (0, 0)  # (epoch, steps done in it): where a checkpoint resumes
+        self._evaluate: Callable[[int], None] | None = None  # fit's, while it runs
 
     def parameters(self) -> dict[str, Any]:
         """Return {name: the parameter's current values} (``model.state()``'s names).
@@ -253,14 +254,18 @@ class Trainer:
         self.stage.optimizer.lr = learning_rate(tcfg.lr_schedule, tcfg.lr, self.steps_done,
                                                 self.total_steps, tcfg.warmup_steps)
 
-    def fit(self, x: np.ndarray, y: np.ndarray) -> list[float]:
+    def fit(self, x: np.ndarray, y: np.ndarray,
+            evaluate: Callable[[int], None] | None = None) -> list[float]:
         """Train for ``n_epoch`` epochs on host arrays (x, y); return the mean loss per epoch.
 
         Each rank takes its part of every global batch; the epoch loss (the mean over steps
         and micro-batches) is averaged over all ranks with one small allreduce per epoch.
         With ``resume_from`` the run continues where the checkpoint left off (the very next
         batch), and returns the losses of the epochs it ran; with ``checkpoint_dir`` it saves
-        every ``checkpoint_every`` steps (0: at each epoch's end).
+        every ``checkpoint_every`` steps (0: at each epoch's end). With ``max_steps`` the run
+        is that many optimizer steps instead (as many epochs as they take, the last cut
+        short). ``evaluate(step)`` (collective: every rank calls it at the same steps) runs
+        before the first step, every ``eval_every`` steps and after the last.
 
         Raises:
             ValueError: the warmup is longer than the run.
@@ -273,7 +278,7 @@ class Trainer:
         sampler = DistributedSampler(len(x), tcfg.batch_size, self.context.rank,
                                      self.context.size, seed=self.config.dist.seed,
                                      max_steps=tcfg.n_mini_batch)
-        self.total_steps = tcfg.n_epoch * sampler.steps_per_epoch
+        self.total_steps = tcfg.max_steps or tcfg.n_epoch * sampler.steps_per_epoch
         if tcfg.warmup_steps > self.total_steps:
             where = self.config.sources.get("train_config.warmup_steps", "code")
             raise ValueError(
@@ -289,8 +294,12 @@ class Trainer:
                 first_epoch, skip = first_epoch + 1, 0
         self.model.train()
         self.signals = StopSignals()
+        self._evaluate = evaluate
+        self._evaluate_now()
         with self.signals:
             history = self._epochs(x, y, sampler, first_epoch, skip)
+        if not tcfg.eval_every or self.steps_done % tcfg.eval_every:  # the last step's
+            self._evaluate_now()
         # a signal after the last step's vote (in the epoch's end, its checkpoint) still stops
         if any(self.context.connector.allgather(self.signals.received)):
             self._stop_on_signal(None)
@@ -301,7 +310,8 @@ class Trainer:
         """Run fit's epochs from ``first_epoch`` (its first ``skip`` steps done already)."""
         tcfg = self.config.train
         history = []
-        for epoch in range(first_epoch, tcfg.n_epoch):
+        n_epoch = -(-self.total_steps // sampler.steps_per_epoch)
+        for epoch in range(first_epoch, n_epoch):
             start, total, ran = time.perf_counter(), self.xp.zeros((), np.float64), 0
             for step, index in enumerate(sampler.epoch(epoch), 1):
                 if epoch == first_epoch and step <= skip:
@@ -318,18 +328,31 @@ class Trainer:
                     saved = self.save_checkpoint(tcfg.checkpoint_dir)
                 if self.guard.stop_agreed:
                     self._stop_on_signal(saved)
+                if tcfg.eval_every and self.steps_done % tcfg.eval_every == 0:
+                    self._evaluate_now()
+                if self.steps_done >= self.total_steps:
+                    break
             mean = self.comm.allreduce(total.reshape(1) / max(ran, 1), "avg")
             self.comm.verify_calls()  # with META_DIST_CHECK=0, the epoch's calls compared here
             history.append(float(mean[0]))
             seconds = time.perf_counter() - start
             skipped = self.guard.skipped
-            self._print(f"epoch {epoch + 1}/{tcfg.n_epoch}  loss {history[-1]:.4f}  "
+            self._print(f"epoch {epoch + 1}/{n_epoch}  loss {history[-1]:.4f}  "
                         f"{ran * tcfg.batch_size / seconds:,.0f} samples/s"
                         + (f"  skipped steps {skipped}" if skipped else "")
                         + (f"  loss scale {self.scaler.scale:g}" if self.scaler else ""))
             if tcfg.checkpoint_dir and not tcfg.checkpoint_every:
                 self.save_checkpoint(tcfg.checkpoint_dir)
         return history
+
+    def _evaluate_now(self) -> None:
+        """Run fit's ``evaluate`` (if any) at this step, the model in eval mode (no dropout)."""
+        if self._evaluate is not None:
+            self.model.eval()
+            try:
+                self._evaluate(self.steps_done)
+            finally:
+                self.model.train()
 
     def _stop_on_signal(self, saved: Path | None) -> None:
         """Stop every rank after this step (a rank caught SIGTERM or SIGINT). Collective.
