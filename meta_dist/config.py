@@ -143,6 +143,8 @@ class TrainConfig(_Validated):
         momentum: SGD momentum.
         nesterov: Use Nesterov momentum (SGD).
         weight_decay: L2 penalty (sgd, adam) or decoupled decay (adamw).
+        decay_biases_and_norms: Apply weight_decay to 1-D parameters (biases, norm weights)
+            too, as one PyTorch parameter group does; false decays matrices only (nanoGPT).
         betas: Adam's moment decay rates.
         eps: Adam's denominator term.
         dtype: ``float32`` or ``float64`` for parameters, gradients and optimizer state.
@@ -181,6 +183,7 @@ class TrainConfig(_Validated):
     momentum: float = _rule(0.9, ">= 0", lambda v: v >= 0)
     nesterov: bool = False
     weight_decay: float = _rule(0.0, ">= 0", lambda v: v >= 0)
+    decay_biases_and_norms: bool = True
     betas: tuple[float, float] = _rule(
         (0.9, 0.999), "each in [0, 1)", lambda v: all(0 <= b < 1 for b in v)
     )

@@ -84,7 +84,8 @@ class Adam(Optimizer):
         xp, scratch = self.xp, self._scratch[: piece.stop - piece.start]
         exp_avg, exp_avg_sq = self.state["exp_avg"][piece], self.state["exp_avg_sq"][piece]
         if self.decoupled_weight_decay and self.weight_decay != 0:
-            param *= 1 - self.lr * self.weight_decay
+            for a, b in self._decay_ranges(piece):
+                param[a:b] *= 1 - self.lr * self.weight_decay
         grad = self._add_l2_decay(param, grad, piece)
         xp.subtract(grad, exp_avg, out=scratch)  # PyTorch's exp_avg.lerp_(grad, 1 - beta1)
         scratch *= 1 - self.beta1

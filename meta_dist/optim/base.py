@@ -60,6 +60,7 @@ class Optimizer:
         # a cold page walk per ufunc. Not optimizer state, so state_bytes() leaves it out.
         self._scratch = self._workspace()
         self._l2_weight_decay = 0.0
+        self._decay_spans: list[tuple[int, int]] | None = None  # None: decay everywhere
         self._decayed_grad: Array | None = None
         self._grad_space: Array | None = None  # widened or scaled gradients, one block
 
@@ -82,6 +83,22 @@ class Optimizer:
         # grad + weight_decay * param is needed alongside the scratch buffer (Adam's moments,
         # SGD's Nesterov term), and grads are read only, so it gets a workspace of its own.
         self._decayed_grad = self._workspace() if weight_decay != 0 else None
+
+    def set_decay_spans(self, spans: Sequence[tuple[int, int]] | None) -> None:
+        """Apply weight decay only inside these ``[start, stop)`` spans of the range.
+
+        As nanoGPT's parameter groups: matrices decay, biases and norm weights do not. None
+        (the default) decays every element, as one PyTorch parameter group does.
+        """
+        self._decay_spans = None if spans is None else sorted(
+            (int(a), int(b)) for a, b in spans if b > a)
+
+    def _decay_ranges(self, piece: slice) -> list[tuple[int, int]]:
+        """Return where weight decay applies within ``piece``, relative to its start."""
+        if self._decay_spans is None:
+            return [(0, piece.stop - piece.start)]
+        return [(max(a, piece.start) - piece.start, min(b, piece.stop) - piece.start)
+                for a, b in self._decay_spans if a < piece.stop and piece.start < b]
 
     def _state_keys(self) -> tuple[str, ...]:
         """Return the names of the state arrays this configuration needs."""
@@ -181,8 +198,14 @@ class Optimizer:
         if self._decayed_grad is None:
             return grad
         out = self._decayed_grad[: piece.stop - piece.start]
-        self.xp.multiply(param, self._l2_weight_decay, out=out)
-        out += grad
+        ranges = self._decay_ranges(piece)
+        if ranges == [(0, out.size)]:
+            self.xp.multiply(param, self._l2_weight_decay, out=out)
+            out += grad
+            return out
+        out[...] = grad
+        for a, b in ranges:
+            out[a:b] += self._l2_weight_decay * param[a:b]
         return out
 
     def state_dict(self) -> dict[str, Any]:

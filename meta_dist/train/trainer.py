@@ -179,9 +179,12 @@ class Trainer:
         def new_optimizer(numel: int) -> Any:
             return make_optimizer(tcfg.optimizer, numel, xp=self.xp, dtype=dtype, **hyper)
 
-        return stage_cls(flat, self.comm, new_optimizer, overlap=self.overlap,
-                         accumulate=tcfg.grad_accum_steps,
-                         reshard_after_forward=dcfg.reshard_after_forward)
+        stage = stage_cls(flat, self.comm, new_optimizer, overlap=self.overlap,
+                          accumulate=tcfg.grad_accum_steps,
+                          reshard_after_forward=dcfg.reshard_after_forward)
+        if not tcfg.decay_biases_and_norms:  # matrices decay; biases and norm weights do not
+            stage.optimizer.set_decay_spans(stage.optimizer_spans(lambda s: len(s.shape) >= 2))
+        return stage
 
     def _one_model(self, flat: FlatModel) -> None:
         """Give every rank rank 0's parameters and buffers, as DDP and DeepSpeed do on wrapping.

@@ -82,6 +82,21 @@ class ZeroStage:
         """The parts of the flat buffer this rank updates (level 0: all of it)."""
         return [slice(0, self.flat.flat_params.size)]
 
+    def optimizer_spans(self, picked: Callable[[Slot], bool]) -> list[tuple[int, int]]:
+        """Return where the parameters ``picked`` chooses lie in this rank's optimizer range.
+
+        The optimizer sees the owned slices end to end; this maps each picked slot's flat
+        elements into that range (for ``Optimizer.set_decay_spans``).
+        """
+        spans, at = [], 0
+        for owned in self.owned_slices():
+            for slot in self.flat.slots:
+                lo, hi = max(owned.start, slot.offset), min(owned.stop, slot.offset + slot.numel)
+                if lo < hi and picked(slot):
+                    spans.append((at + lo - owned.start, at + hi - owned.start))
+            at += owned.stop - owned.start
+        return spans
+
     def _make_grads(self) -> Any:
         return self.flat.xp.zeros(self.flat.flat_params.size, self.flat.dtype)
 

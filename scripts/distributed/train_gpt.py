@@ -27,7 +27,8 @@ train_config = {
     "optimizer": "adamw",
     "lr": 0.003,
     "betas": [0.9, 0.99],
-    "weight_decay": 0.01,
+    "weight_decay": 0.1,
+    "decay_biases_and_norms": False,  # nanoGPT's groups: only matrices and embeddings decay
     "batch_size": 32,
     "n_mini_batch": 1_000_000,  # an epoch is every window once; max_steps ends the run
     "max_steps": 200,

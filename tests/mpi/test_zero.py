@@ -64,7 +64,8 @@ def tied(rng, dtype):  # 4x5 weight shared by layers 2 and 4 (as a GPT ties its 
 MODELS = {"classifier": (classifier, 4, 3), "tiny_bias": (tiny_bias, 4, None),
           "one_parameter": (one_parameter, 1, None), "deep": (deep, 4, 3), "tied": (tied, 4, 3)}
 OPTIMIZERS = {"sgd": {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9},
-              "adam": {"optimizer": "adam", "lr": 0.01}}
+              "adam": {"optimizer": "adam", "lr": 0.01},
+              "adamw": {"optimizer": "adamw", "lr": 0.01}}
 
 
 def make_config(level, optimizer, dtype, bucket_mb=25.0, overlap=True, batch=GLOBAL_BATCH,
@@ -150,6 +151,22 @@ def test_tied_parameters_train_as_one(contexts, level, overlap, bucket_mb, micro
     dist = run_parity(contexts, level, "adam", "tied", "float64", 1e-9, 1e-12,
                       bucket_mb=bucket_mb, overlap=overlap, grad_accum_steps=micro)
     assert sum(1 for name in dist.parameters() if name.endswith("Linear.weight")) == 3
+
+
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+@pytest.mark.parametrize("optimizer", ["adam", "adamw", "sgd"])
+def test_weight_decay_on_matrices_only(contexts, level, optimizer):
+    """decay_biases_and_norms false (nanoGPT's groups): every level, in several buckets that
+    cut layers apart, decays exactly the weight matrices, as one process does; the one
+    process's spans are its matrices (tests/unit/test_optim.py checks what spans do)."""
+    train = {"weight_decay": 0.1, "decay_biases_and_norms": False}
+    dist = run_parity(contexts, level, optimizer, "classifier", "float64", 1e-9, 1e-12,
+                      reference=train, bucket_mb=1e-4, **train)
+    one = Trainer(MODELS["classifier"][0](np.random.default_rng(7), "float64"),
+                  make_config(0, optimizer, "float64", **train), context=contexts[1], log=None)
+    matrices = [(s.offset, s.offset + s.numel) for s in one.stage.flat.slots if len(s.shape) == 2]
+    assert one.stage.optimizer._decay_spans == matrices and len(matrices) == 2
+    assert len(dist.stage.flat.buckets) >= 2
 
 
 @pytest.mark.parametrize("level", [0, 1, 2, 3])

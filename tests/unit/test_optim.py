@@ -420,3 +420,35 @@ def test_make_optimizer_rejects_unknown_hyperparameter():
 def test_make_optimizer_requires_lr_for_sgd():
     with pytest.raises(ValueError, match="'sgd' needs hyperparameter 'lr'"):
         make_optimizer("sgd", 3, momentum=0.9)
+
+
+@pytest.mark.parametrize("name, config", [
+    ("sgd", {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}),
+    ("adam", {"lr": 0.01, "weight_decay": 0.1}),
+    ("adamw", {"lr": 0.01, "weight_decay": 0.1}),
+])
+def test_decay_spans_decay_inside_and_nowhere_else(name, config):
+    """set_decay_spans (nanoGPT's groups: matrices decay, biases and norms do not): inside the
+    spans each element follows the rule with weight decay, outside it the rule without, bit for
+    bit, across several steps and with the range cut into pieces and blocks."""
+    rng = np.random.default_rng(3)
+    n = 40000  # more than one host block
+    start = rng.standard_normal(n)
+    grads = [rng.standard_normal(n) for _ in range(3)]
+    spans = [(0, 7), (100, 20000), (39990, 40000)]
+    inside = np.zeros(n, bool)
+    for a, b in spans:
+        inside[a:b] = True
+    results = {}
+    for label, wd, use_spans in (("all", config["weight_decay"], False), ("none", 0.0, False),
+                                 ("spans", config["weight_decay"], True)):
+        opt = make_optimizer(name, n, dtype=np.float64, **{**config, "weight_decay": wd})
+        if use_spans:
+            opt.set_decay_spans(spans)
+        p = start.copy()
+        for g in grads:
+            opt.step([p[:12345], p[12345:]], [g[:12345], g[12345:]])
+        results[label] = p
+    np.testing.assert_array_equal(results["spans"][inside], results["all"][inside])
+    np.testing.assert_array_equal(results["spans"][~inside], results["none"][~inside])
+    assert not np.array_equal(results["all"], results["none"])
