@@ -148,8 +148,11 @@ class TrainConfig(_Validated):
         betas: Adam's moment decay rates.
         eps: Adam's denominator term.
         dtype: ``float32`` or ``float64`` for parameters, gradients and optimizer state.
-        data_path: An ``.npz`` file with arrays ``x`` and ``y``; None means synthetic data.
+        data_path: An ``.npz`` file with arrays ``x`` and ``y``; None means ``dataset``.
             Relative paths are taken from the working directory.
+        dataset: Without data_path: ``synthetic`` (images labelled by a reference model of
+            the same shape) or ``digits`` (1797 real handwritten 8x8 digits; input_shape
+            [1, 8, 8]); dist_example holds 20% out and reports the accuracy on them.
         log_every: Print the loss every this many mini-batches.
         precision: ``fp32``, or ``fp16``/``bf16`` mixed precision: the layers compute with
             16-bit working copies of the parameters, the optimizer updates fp32 master copies
@@ -190,6 +193,7 @@ class TrainConfig(_Validated):
     eps: float = _rule(1e-8, ">= 0", lambda v: v >= 0)
     dtype: str = _choice("float32", "float64")
     data_path: str | None = None
+    dataset: str = _choice("synthetic", "digits")
     log_every: int = _rule(1, ">= 1", lambda v: v >= 1)
     precision: str = _choice("fp32", "fp16", "bf16")
     loss_scale: str | float = _rule(
@@ -236,6 +240,13 @@ class TrainConfig(_Validated):
                 "nesterov=True, momentum=0.0, expected momentum > 0 with nesterov and sgd; set "
                 "momentum or nesterov: false"
             )
+        if values["dataset"] == "digits" and values["data_path"] is None and (
+                tuple(values["input_shape"]) != (1, 8, 8) or values["num_classes"] != 10):
+            raise ValueError(
+                f"{where('dataset', 'input_shape', 'num_classes')}: {TRAIN}.dataset digits holds "
+                f"8x8 grey images of 10 digits; got input_shape={list(values['input_shape'])}, "
+                f"num_classes={values['num_classes']}, expected input_shape [1, 8, 8] and "
+                "num_classes 10; set them so (configs/digits.yaml does)")
         if values["n_embd"] % values["n_head"]:
             raise ValueError(
                 f"{where('n_embd', 'n_head')}: {TRAIN}.n_head must divide {TRAIN}.n_embd; got "

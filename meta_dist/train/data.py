@@ -56,6 +56,28 @@ def load_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     return x, y.astype(np.int64)
 
 
+DIGITS = Path(__file__).with_name("digits.csv.gz")
+
+
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """Return the handwritten digits: x (1797, 1, 8, 8) float32 in [0, 1], y (1797,) labels.
+
+    The UCI "Optical Recognition of Handwritten Digits" test set (E. Alpaydin, C. Kaynak, 1998;
+    CC BY 4.0): 8x8 counts of on-pixels (0-16) of 32x32 bitmaps, 43 writers. The file is the
+    copy scikit-learn 1.9.1 ships (sklearn/datasets/data/digits.csv.gz: 64 pixel columns, then
+    the label), kept here so that nothing is downloaded at run time.
+    """
+    table = np.loadtxt(DIGITS, delimiter=",", dtype=np.float32)
+    return (table[:, :64] / 16).reshape(-1, 1, 8, 8), table[:, 64].astype(np.int64)
+
+
+def held_out(num_samples: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split sample indices into (train, held out): a seeded shuffle, the last part held out."""
+    order = np.random.default_rng([seed, 1]).permutation(num_samples)
+    cut = num_samples - int(round(num_samples * fraction))
+    return np.sort(order[:cut]), np.sort(order[cut:])
+
+
 # Modules of the standard library whose sources make the character corpus: plain prose and
 # code that every Python installation ships (never downloaded), in a fixed order.
 CORPUS_MODULES = ("textwrap", "string", "heapq", "bisect", "fractions", "statistics", "difflib",
