@@ -309,6 +309,11 @@ class Reader:
             try:
                 self._files[key] = np.load(path, mmap_mode="r", allow_pickle=False)
             except (ValueError, OSError) as error:
+                if "Python objects" in str(error) or "Object arrays" in str(error):
+                    raise CheckpointError(
+                        f"checkpoint: {path} holds Python objects (a pickle), which no save "
+                        "writes and meta_dist never loads (unpickling could run code); use a "
+                        "checkpoint meta_dist wrote") from None
                 raise CheckpointError(f"checkpoint: {path} is not a readable .npy file "
                                       f"({error}); it is truncated or corrupt") from None
         return self._files[key]

@@ -494,6 +494,11 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or " ".join(str(err).split())
+        if "python/" in problem:  # a tag that would build a Python object: never run
+            raise ValueError(
+                f"{path}: a YAML tag that builds a Python object{at} ({problem}); config files "
+                "are read as plain data and never run code: write plain values (numbers, "
+                "strings, lists) instead") from None
         raise ValueError(
             f"{path}: cannot parse YAML; got {problem}{at}, expected a mapping with sections "
             f"{TRAIN}: and {DIST}: holding KEY: VALUE lines"

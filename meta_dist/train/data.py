@@ -5,6 +5,7 @@ Imports numpy only. Data stays on the host; the trainer moves each batch to the 
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -38,18 +39,37 @@ def synthetic_classification(num_samples: int, input_shape: tuple[int, ...], num
     return x, np.argmax(scores, axis=1).astype(np.int64)
 
 
+SAVE_HINT = "write it with np.savez(path, x=inputs.astype(np.float32), y=labels)"
+
+
 def load_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     """Load inputs ``x`` and integer labels ``y`` from an .npz file.
 
+    Nothing in a data file is ever executed: arrays of Python objects (pickles) are refused.
+
     Raises:
-        ValueError: the file lacks ``x`` or ``y``, or their lengths differ.
+        ValueError: the file is not an .npz (a .npy, text, a damaged archive), lacks ``x`` or
+            ``y``, holds Python objects, or its lengths differ; the message names the file.
     """
-    with np.load(path) as data:
+    try:
+        data = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:  # text, damaged
+        raise ValueError(f"{path}: not a readable .npz file ({error}); expected an .npz "
+                         f"archive with arrays x and y: {SAVE_HINT}") from None
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise ValueError(f"{path}: holds one array (a .npy file); expected an .npz archive "
+                         f"with arrays x (inputs) and y (labels): {SAVE_HINT}")
+    with data:
         missing = [k for k in ("x", "y") if k not in data.files]
         if missing:
             raise ValueError(f"{path}: missing array(s) {missing}; got {data.files}, expected "
                              "arrays named 'x' (inputs) and 'y' (integer labels)")
-        x, y = data["x"], data["y"]
+        try:
+            x, y = data["x"], data["y"]
+        except ValueError as error:  # object arrays: unpickling could run code
+            raise ValueError(f"{path}: an array holds Python objects ({error}); data files are "
+                             f"read without unpickling, which could run code: {SAVE_HINT}"
+                             ) from None
     if len(x) != len(y) or y.ndim != 1 or y.dtype.kind not in "iu":
         raise ValueError(f"{path}: x has {len(x)} samples and y has shape {y.shape}, dtype "
                          f"{y.dtype}; expected y of shape ({len(x)},) with integer labels")
