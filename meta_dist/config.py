@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 TRAIN = "train_config"
 DIST = "meta_dist_config"
 COMMAND_LINE = "command line"
-USAGE = "usage: <script> [--config PATH] [KEY=VALUE ...]"
+USAGE = "usage: {prog} [--config PATH] [KEY=VALUE ...]"
 # The ZeRO levels there are (zero.STAGES has one class for each; one source for every check).
 ZERO_LEVELS = (0, 1, 2, 3)
 # Keys whose values may differ from rank to rank; every other key must agree everywhere.
@@ -414,11 +414,14 @@ def check_same_everywhere(config: Config, allgather: Callable[[Any], list[Any]])
         "make the config file, the command line and the environment the same everywhere")
 
 
-def parse_cli(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+def parse_cli(argv: Sequence[str], train_config: dict | None = None,
+              meta_dist_config: dict | None = None) -> tuple[str | None, list[str]]:
     """Split command-line words into a config path and ``KEY=VALUE`` overrides.
 
     Args:
         argv: The words after the script name (``sys.argv[1:]``).
+        train_config, meta_dist_config: the script's dicts: ``--help`` then lists the values
+            the script would run with (its dicts, the file and the other words applied).
 
     Returns:
         ``(path, overrides)``, ready for ``load_config(train_config, meta_dist_config, *...)``.
@@ -427,22 +430,28 @@ def parse_cli(argv: Sequence[str]) -> tuple[str | None, list[str]]:
         ValueError: A word that is neither ``--config PATH``, ``--config=PATH`` nor ``KEY=VALUE``.
         SystemExit: With code 0 after printing usage, for ``-h`` or ``--help``.
     """
-    path: str | None = None
-    overrides: list[str] = []
     words = list(argv)
     if "-h" in words or "--help" in words:
-        print(_usage())
+        print(_usage([w for w in words if w not in ("-h", "--help")], train_config,
+                     meta_dist_config))
         raise SystemExit(0)
+    return _split_words(words)
+
+
+def _split_words(words: list[str]) -> tuple[str | None, list[str]]:
+    usage = USAGE.format(prog=_prog())
+    path: str | None = None
+    overrides: list[str] = []
     while words:
         word = words.pop(0)
         if word == "--config" or word.startswith("--config="):
             given = word.partition("=")[2] if "=" in word else (words.pop(0) if words else "")
             if not given or given.startswith("-"):
-                raise ValueError(f"parse_cli: --config needs a PATH; got {given!r}; {USAGE}")
+                raise ValueError(f"parse_cli: --config needs a PATH; got {given!r}; {usage}")
             if path is not None:
                 raise ValueError(
                     f"parse_cli: --config given twice; got {path!r} and {given!r}, expected one "
-                    f"file; {USAGE}"
+                    f"file; {usage}"
                 )
             path = given
         elif "=" in word and not word.startswith("-"):
@@ -451,7 +460,7 @@ def parse_cli(argv: Sequence[str]) -> tuple[str | None, list[str]]:
             hint = "; write overrides without dashes" if word.startswith("--") else ""
             raise ValueError(
                 f"parse_cli: unknown argument; got {word!r}, expected --config PATH or "
-                f"KEY=VALUE{hint}; {USAGE}"
+                f"KEY=VALUE{hint}; {usage}"
             )
     return path, overrides
 
@@ -663,17 +672,30 @@ def _show(value: Any) -> str:
     return str(value)
 
 
-def _usage() -> str:
+def _prog() -> str:
+    """The running script's name, as a user would type it."""
+    import sys
+
+    return Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "<script>"
+
+
+def _usage(words: list[str], train_config: dict | None, meta_dist_config: dict | None) -> str:
+    """Return --help's text: how to call, then every key with the value this run would use."""
     lines = [
-        USAGE,
+        USAGE.format(prog=_prog()),
         "  --config PATH  YAML file with train_config: and meta_dist_config: sections (overrides)",
         "  KEY=VALUE      override one key; VALUE is YAML, e.g. zero_opt_level=2 lr=0.1",
         "  -h, --help     show this help and exit",
         "",
-        "keys (default):",
     ]
-    for section, cls in _SECTIONS.items():
-        for name in _TYPES[section]:
-            default = _show(_plain({name: cls.__dataclass_fields__[name].default})[name])
-            lines.append(f"  {section}.{name} ({default})")
+    try:
+        config = load_config(train_config, meta_dist_config, *_split_words(list(words)))
+    except (ValueError, TypeError) as error:  # still say what the keys are
+        lines += [f"(these arguments do not resolve: {error})", ""]
+        config = load_config(train_config, meta_dist_config)
+    lines.append("keys (the value this run would use [where it comes from]):")
+    for section, values in config.as_dicts().items():
+        for name, value in values.items():
+            source = config.sources.get(f"{section}.{name}", "default")
+            lines.append(f"  {section}.{name} = {_show(value)}  [{source}]")
     return "\n".join(lines)

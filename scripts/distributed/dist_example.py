@@ -98,7 +98,8 @@ def fail_once(error):
 
 def main(argv):
     try:
-        config = load_config(train_config, meta_dist_config, *parse_cli(argv))
+        config = load_config(train_config, meta_dist_config,
+                             *parse_cli(argv, train_config, meta_dist_config))
     except (ValueError, TypeError) as error:  # every rank sees the same error
         return fail_once(error)
     dctx = dist.init(backend=config.dist.backend)

@@ -107,7 +107,8 @@ def sample(trainer, vocab, prompt, count, seed):
 
 def main(argv):
     try:
-        config = load_config(train_config, meta_dist_config, *parse_cli(argv))
+        config = load_config(train_config, meta_dist_config,
+                             *parse_cli(argv, train_config, meta_dist_config))
     except (ValueError, TypeError) as error:
         return fail_once(error)
     context = dist.init(backend=config.dist.backend)

@@ -531,6 +531,24 @@ def test_parse_cli_help(flag, capsys):
     assert "usage:" in out and "meta_dist_config.zero_opt_level" in out
 
 
+def test_help_shows_what_this_run_would_use_and_the_scripts_name(tmp_path, capsys,
+                                                                  monkeypatch):
+    """--help lists each key with the value the script would run with (its dicts, then the
+    file, then the words beside --help) and where it comes from; the usage line names the
+    script, not a placeholder."""
+    monkeypatch.setattr("sys.argv", ["/x/scripts/distributed/dist_example.py"])
+    path = write(tmp_path, "train_config:\n  lr: 0.5\n")
+    with pytest.raises(SystemExit):
+        parse_cli(["--config", str(path), "zero_opt_level=2", "--help"], {"n_epoch": 4},
+                  {"seed": 3})
+    out = capsys.readouterr().out
+    assert out.startswith("usage: dist_example.py [--config PATH]")
+    for line in ("train_config.n_epoch = 4  [script]", f"train_config.lr = 0.5  [{path}]",
+                 "meta_dist_config.zero_opt_level = 2  [command line]",
+                 "meta_dist_config.seed = 3  [script]", "train_config.batch_size = 64  [default]"):
+        assert f"\n  {line}\n" in out, line
+
+
 def test_parse_cli_feeds_load_config(tmp_path):
     path = write(tmp_path, "meta_dist_config:\n  zero_opt_level: 1\n")
     cfg = load_config({"lr": 0.2}, {"seed": 1}, *parse_cli(["--config", path, "seed=5"]))
