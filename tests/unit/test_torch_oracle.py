@@ -386,6 +386,36 @@ def test_optimizer_matches_torch(name, config, torch_cls, drop, dtype):
     close(params, param_t, dtype, f"{name} after {STEPS} steps")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+@pytest.mark.parametrize(("name", "torch_cls"), [("adamw", torch.optim.AdamW),
+                                                 ("adam", torch.optim.Adam),
+                                                 ("sgd", torch.optim.SGD)])
+def test_decay_spans_are_torch_parameter_groups(name, torch_cls, dtype):
+    """set_decay_spans equals PyTorch with two parameter groups (nanoGPT's: the decayed one,
+    and weight_decay 0 for the rest), 50 steps, elements 3-10 and 20-27 decayed."""
+    config = {"lr": 0.01, "weight_decay": 0.1}
+    rng = np.random.default_rng(9)
+    start = rng.standard_normal(NUMEL).astype(dtype)
+    grads = [rng.standard_normal(NUMEL).astype(dtype) for _ in range(STEPS)]
+    spans = [(3, 10), (20, 27)]
+    opt = make_optimizer(name, NUMEL, dtype=dtype, **config)
+    opt.set_decay_spans(spans)
+    params = start.copy()
+    cuts = [0, 3, 10, 20, 27, NUMEL]
+    pieces = [torch.from_numpy(start[a:b].copy()).requires_grad_()
+              for a, b in zip(cuts, cuts[1:])]
+    decayed = [pieces[1], pieces[3]]
+    rest = [pieces[0], pieces[2], pieces[4]]
+    opt_t = torch_cls([{"params": decayed}, {"params": rest, "weight_decay": 0.0}],
+                      foreach=False, **config)
+    for g in grads:
+        opt.step(params, g)
+        for p, a, b in zip(pieces, cuts, cuts[1:]):
+            p.grad = torch.from_numpy(g[a:b].copy())
+        opt_t.step()
+    close(params, torch.cat([p.detach() for p in pieces]), dtype, f"{name} with decay spans")
+
+
 def test_adam_weight_decay_is_l2_not_decoupled():
     config = {"lr": 0.01, "weight_decay": 0.1}
     params, adamw_t = run_both("adam", config, torch.optim.AdamW, np.float64)
