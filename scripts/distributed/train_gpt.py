@@ -126,10 +126,11 @@ def main(argv):
                 dropout=tcfg.dropout, seed=config.dist.seed, dtype=np.dtype(tcfg.dtype), xp=xp)
     if context.rank == 0:
         print(format_config(config), flush=True)
+    trainer = Trainer(model, config, loss_fn=cross_entropy_tokens)
+    if context.rank == 0:  # the tied head's weight is the token table: counted once
         print(f"{context.size} rank(s); corpus {len(ids):,} characters of the standard library, "
               f"vocabulary {len(vocab)}; {len(x_train):,} training windows of {tcfg.block_size}; "
-              f"{sum(model.layer_numels()):,} parameters", flush=True)
-    trainer = Trainer(model, config, loss_fn=cross_entropy_tokens)
+              f"{trainer.stage.flat.numel:,} parameters", flush=True)
     evaluation = Evaluation(trainer, x_val, y_val, x_train, y_train,
                             tcfg.batch_size * tcfg.block_size)
     trainer.fit(x_train, y_train, evaluate=evaluation)
