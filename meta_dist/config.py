@@ -25,6 +25,7 @@ import dataclasses
 import difflib
 import hashlib
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args, get_origin, get_type_hints
@@ -674,8 +675,6 @@ def _show(value: Any) -> str:
 
 def _prog() -> str:
     """The running script's name, as a user would type it."""
-    import sys
-
     return Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "<script>"
 
 

@@ -124,23 +124,22 @@ def char_corpus(max_chars: int = 400_000, modules: tuple[str, ...] = CORPUS_MODU
             raise ValueError(f"char_corpus: module {name!r} has no Python source here; got "
                              f"{spec.origin if spec else None!r}, expected a .py file")
         parts.append(Path(spec.origin).read_text(encoding="utf-8", errors="replace"))
-    text = "".join(c if c == "\n" or " " <= c <= "~" else "?" for c in "".join(parts)[:max_chars])
-    vocab = "".join(sorted(set(text)))
+    codes = np.frombuffer("".join(parts)[:max_chars].encode("ascii", "replace"), np.uint8).copy()
+    codes[((codes < 32) & (codes != 10)) | (codes > 126)] = ord("?")  # tabs, CR, DEL too
+    present = np.unique(codes)
     lookup = np.zeros(128, np.int64)
-    lookup[[ord(c) for c in vocab]] = np.arange(len(vocab))
-    return lookup[np.frombuffer(text.encode("ascii"), np.uint8)], vocab
+    lookup[present] = np.arange(len(present))
+    return lookup[codes], present.tobytes().decode("ascii")
 
 
 def windows(ids: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Cut ``ids`` into next-token pairs: inputs ``ids[i:i+T]`` and targets one step on.
 
     Windows start every ``block_size // 2`` tokens (overlapping by half), so a model sees each
-    position at two offsets; views, not copies.
+    position at two offsets; views of ``ids``, not copies.
     """
     stride = max(1, block_size // 2)
-    count = (len(ids) - block_size - 1) // stride + 1
-    starts = np.arange(count) * stride
-    view = np.lib.stride_tricks.sliding_window_view(ids, block_size + 1)[starts]
+    view = np.lib.stride_tricks.sliding_window_view(ids, block_size + 1)[::stride]
     return view[:, :-1], view[:, 1:]
 
 

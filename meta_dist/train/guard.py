@@ -58,7 +58,6 @@ class StepGuard:
         self.comm, self.names, self.mode, self.clip, self.scaler = comm, names, mode, clip, scaler
         self.max_skipped_steps, self.stop_vote = max_skipped_steps, stop_vote
         self.stop_agreed = False  # some rank voted to stop in the step just settled
-        self._measured = False  # the step's sum of squares was taken (not mode ignore alone)
         self.skipped = self._in_a_row = 0
         self.norm = math.nan  # the last step's global gradient norm (after unscaling)
         self._loss: Any = None
@@ -66,6 +65,12 @@ class StepGuard:
         self._flags: Any = None
         self._handle: Any = None
         self._verdict: np.ndarray | None = None
+
+    @property
+    def measures(self) -> bool:
+        """Whether steps are checked at all (the sum of squares, warnings silenced): not in
+        mode ignore without clipping or a loss scale, where only the stop vote is exchanged."""
+        return self.mode != "ignore" or self.waits_before_update
 
     @property
     def waits_before_update(self) -> bool:
@@ -87,8 +92,7 @@ class StepGuard:
         xp = array_module(grads[0]) if grads else np
         flags = xp.zeros(4, np.float64)
         flags[0] = ~xp.isfinite(self._loss)
-        self._measured = self.mode != "ignore" or self.waits_before_update
-        if self._measured:
+        if self.measures:
             flags[1] = _sum_of_squares(grads, xp) * scale * scale
         flags[2] = self._loss
         flags[3] = self.stop_vote()
@@ -144,7 +148,7 @@ class StepGuard:
                 self._handle.wait()
                 self._handle = None
             self._verdict = to_numpy(self._flags)
-            self.norm = (math.sqrt(self._verdict[1]) if self._measured and self._verdict[1] >= 0
+            self.norm = (math.sqrt(self._verdict[1]) if self.measures and self._verdict[1] >= 0
                          else math.nan)
         return bool(self._verdict[0]) or not math.isfinite(self._verdict[1])
 

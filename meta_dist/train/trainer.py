@@ -193,8 +193,11 @@ class Trainer:
         a different replica on each rank, and ZeRO would stitch shards of different models.
         """
         broadcast_model(flat, self.comm, self.context.root_rank)
-        buffers = [getattr(layer, name) for layer in self.model.layers
-                   for name in layer.buffer_names]
+        self._broadcast_buffers()
+
+    def _broadcast_buffers(self) -> None:
+        """Give every rank the root's buffers (BatchNorm's running statistics). Collective."""
+        buffers = list(self._buffers().values())
         if buffers:
             self.comm.broadcast(buffers, self.context.root_rank, out=buffers)
 
@@ -219,9 +222,8 @@ class Trainer:
         self._schedule()
         total, n = self.xp.zeros((), np.float64), len(x) // k
         # the guard reports non-finite numbers itself (fp16 overflows are routine): no warnings
-        checked = (self.config.dist.nonfinite != "ignore" or self.scaler is not None
-                   or self.config.train.clip_grad_norm is not None)
-        quiet = np.errstate(over="ignore", invalid="ignore") if checked else nullcontext()
+        quiet = (np.errstate(over="ignore", invalid="ignore") if self.guard.measures
+                 else nullcontext())
         with quiet:
             self._micro_batches(x, y, k, n, scale, total)
         loss = total / k
@@ -456,13 +458,10 @@ class Trainer:
             raise checkpoint.CheckpointError(problems[0])
         names = {s: self._name(s) for s in self.stage.flat.slots}
         self.stage.import_values(reader.read, names.__getitem__)
-        live = self._buffers()
-        if live:  # rank 0 read and checked them: one broadcast gives every rank the same
-            if self.context.rank == self.context.root_rank:
-                for name, array in live.items():
-                    array[...] = self.xp.asarray(buffers[name])
-            self.comm.broadcast(list(live.values()), self.context.root_rank,
-                                out=list(live.values()))
+        if self.context.rank == self.context.root_rank:  # it read and checked them
+            for name, array in self._buffers().items():
+                array[...] = self.xp.asarray(buffers[name])
+        self._broadcast_buffers()
         m = reader.manifest
         self.stage.optimizer.step_count = m["optimizer"]["step_count"]
         if self.scaler is not None and m["scaler"] is not None:

@@ -20,6 +20,7 @@ from meta_dist.nn.layers import AvgPool2d, BatchNorm, Conv2d, Flatten, Linear, S
 from meta_dist.nn.model import Sequential
 from meta_dist.train import Trainer, array_module_for, load_npz, synthetic_classification
 from meta_dist.train.data import held_out, load_digits
+from meta_dist.xp import to_numpy
 
 train_config = {
     "n_epoch": 4,
@@ -79,8 +80,7 @@ class Accuracy:
         right = 0
         for start in range(0, len(self.x), 256):
             logits = self.trainer.model.forward(xp.asarray(self.x[start : start + 256]))
-            predicted = np.asarray(logits.argmax(axis=-1).get() if xp is not np
-                                   else logits.argmax(axis=-1))
+            predicted = to_numpy(logits.argmax(axis=-1))
             right += int((predicted == self.y[start : start + 256]).sum())
         if self.trainer.context.rank == 0:
             print(f"held-out accuracy {right / len(self.y):.3f} ({len(self.y)} samples) "

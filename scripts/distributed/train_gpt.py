@@ -22,6 +22,7 @@ from meta_dist.models.gpt import gpt
 from meta_dist.nn.losses import cross_entropy_tokens
 from meta_dist.train import Trainer, array_module_for
 from meta_dist.train.data import char_corpus, windows
+from meta_dist.xp import to_numpy
 
 train_config = {
     "optimizer": "adamw",
@@ -98,7 +99,7 @@ def sample(trainer, vocab, prompt, count, seed):
     trainer.model.eval()
     for _ in range(count):
         logits = trainer.model.forward(xp.asarray(np.array([ids[-block:]])))
-        last = np.asarray(logits[0, -1].get() if xp is not np else logits[0, -1], np.float64)
+        last = to_numpy(logits[0, -1]).astype(np.float64)
         p = np.exp((last - last.max()) / 0.8)
         ids.append(int(rng.choice(len(vocab), p=p / p.sum())))
     trainer.model.train()
