@@ -213,10 +213,12 @@ class Linear(Layer):
         """
         _check_last_axis("Linear.forward", x, self.in_features)
         self.x = x
-        out = x @ self.params["weight"]
+        # one 2-D product: BLAS sees every row at once, where numpy would run a 3-D @ 2-D
+        # product block by block (bench_train.py --model gpt shows the difference)
+        out = x.reshape(-1, self.in_features) @ self.params["weight"]
         if "bias" in self.params:
             out += self.params["bias"]  # in place: no second output-sized array
-        return out
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def backward(self, dout):
         """Write dW = x.T @ dout and db = dout.sum(0) in place; return dout @ W.T.
@@ -232,7 +234,7 @@ class Linear(Layer):
                        lambda first, stop, out: d2[:, first:stop].sum(axis=0, out=out))
         if not self.input_grad:
             return None
-        return dout @ self.params["weight"].T
+        return (d2 @ self.params["weight"].T).reshape(*dout.shape[:-1], self.in_features)
 
 
 class Conv2d(Layer):
@@ -494,14 +496,34 @@ class GELU(Layer):
         """Return GELU(x); keeps x and the tanh term."""
         xp = array_module(x)
         self.x = x
-        self.t = xp.tanh(GELU_TANH_COEF * (x + GELU_CUBIC_COEF * x * x * x))
-        return 0.5 * x * (1.0 + self.t)
+        t = x * x  # the tanh term, built in one array: elementwise passes, not temporaries
+        t *= x
+        t *= GELU_CUBIC_COEF
+        t += x
+        t *= GELU_TANH_COEF
+        self.t = xp.tanh(t, out=t)
+        out = t + 1.0
+        out *= x
+        out *= 0.5
+        return out
 
     def backward(self, dout):
-        """Return ``dout * d/dx GELU(x)``."""
+        """Return ``dout * d/dx GELU(x)``: ``0.5 (1 + t + x (1 - t^2) du/dx)``, in two arrays."""
+        xp = array_module(dout)
         x, t = self.x, self.t
-        du = GELU_TANH_COEF * (1.0 + 3.0 * GELU_CUBIC_COEF * x * x)
-        return dout * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du)
+        du = x * x  # du/dx of the tanh argument: sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+        du *= 3.0 * GELU_CUBIC_COEF
+        du += 1.0
+        du *= GELU_TANH_COEF
+        grad = t * t
+        xp.subtract(1.0, grad, out=grad)
+        grad *= x
+        grad *= du
+        grad += t
+        grad += 1.0
+        grad *= 0.5
+        grad *= dout
+        return grad
 
 
 class _Pool2d(Layer):

@@ -1,16 +1,21 @@
-"""Training benchmark: DESIGN.md's reference MLP at ZeRO levels 0-3 (and PyTorch, --torch).
+"""Training benchmark: DESIGN.md's reference MLP, or a GPT, at ZeRO levels 0-3 (and PyTorch).
 
     mpirun -np 2 [--bind-to core] python scripts/distributed/bench_train.py [--levels 0,1,2,3]
         [--steps 30] [--warmup 5] [--blocks 5] [--overlap | --no-overlap] [--bucket-mb 25]
         [--hidden 1024 | --big | --xl] [--depth 2] [--precision fp32|fp16|bf16]
         [--no-reshard] [--nonfinite ...] [--torch]
+        [--model gpt [--gpt N_LAYER,N_HEAD,N_EMBD,BLOCK_SIZE] [--batch 32]]
 
-Workload: MLP 784 -> H -> H -> 10 with ReLU and softmax cross-entropy, synthetic data, Adam lr
-1e-3, fp32, GLOBAL batch 256 split evenly across the ranks; every run starts from the same
-weights. H is 1024 by default; --big makes it 3584 (15.7M parameters), --xl 4096 (20.0M), for
-the memory comparison. --torch adds PyTorch DDP (gloo), DDP + ZeroRedundancyOptimizer(Adam)
-and FSDP FULL_SHARD (each Linear its own FSDP unit, as meta_dist's level 3 gathers layer by
-layer) on the same workload in the same run; torch.distributed gets MPI's rank and size and a
+Workload (--model mlp, the default): MLP 784 -> H -> H -> 10 with ReLU and softmax
+cross-entropy, synthetic data, Adam lr 1e-3, fp32, global batch 256 split evenly across the
+ranks; every run starts from the same weights. H is 1024 by default; --big makes it 3584
+(15.7M parameters), --xl 4096 (20.0M), for the memory comparison. --model gpt: the GPT of
+meta_dist.models.gpt (configs/gpt-tiny.yaml's shape by default: 2 layers, 2 heads, width 64,
+context 32) on the standard library's characters, global batch 32 windows, Adam lr 1e-3; its
+PyTorch twin is meta_dist.models.torch_gpt.TorchGPT with the same weights. --torch adds
+PyTorch DDP (gloo), DDP + ZeroRedundancyOptimizer(Adam) and FSDP FULL_SHARD (each Linear, or
+each GPT block, its own FSDP unit, as meta_dist's level 3 gathers layer by layer) on the same
+workload in the same run; torch.distributed gets MPI's rank and size and a
 MASTER_PORT that rank 0 picks and broadcasts. "MiB/step" is what a meta_dist rank asked its
 communicator to move per step (``Communicator.traffic``: the bus bytes of NCCL's formulas), so
 the levels' communication volumes compare (DESIGN.md: levels 1 and 2 equal DP's, level 3 1.5x).
@@ -49,11 +54,14 @@ from mpi4py import MPI  # noqa: E402
 
 from meta_dist import distributed as dist  # noqa: E402
 from meta_dist.config import load_config  # noqa: E402
+from meta_dist.models import gpt  # noqa: E402
 from meta_dist.nn.layers import Linear, ReLU  # noqa: E402
+from meta_dist.nn.losses import cross_entropy_tokens, softmax_cross_entropy  # noqa: E402
 from meta_dist.nn.model import Sequential  # noqa: E402
 from meta_dist.train import Trainer, array_module_for, synthetic_classification  # noqa: E402
+from meta_dist.train.data import char_corpus, windows  # noqa: E402
 
-GLOBAL_BATCH, BATCHES, SEED = 256, 8, 0
+BATCHES, SEED = 8, 0
 MIB = 2**20
 
 
@@ -64,6 +72,94 @@ def build_mlp(hidden, depth=2, xp=np):
     for _ in range(depth - 1):
         layers += [Linear(hidden, hidden, **kw), ReLU()]
     return Sequential(*layers, Linear(hidden, 10, **kw))
+
+
+class MLPWorkload:
+    """The reference MLP on synthetic classification data."""
+
+    unit = "samples"
+
+    def __init__(self, args):
+        self.hidden, self.depth, self.global_batch = args.hidden, args.depth, args.batch or 256
+        self.x, self.y = synthetic_classification(BATCHES * self.global_batch, (784,), 10,
+                                                  seed=SEED)
+        self.config = {"input_shape": [784], "num_classes": 10}
+        self.loss_fn, self.per_step = softmax_cross_entropy, self.global_batch
+
+    def describe(self):
+        shape = "-".join(["784"] + [str(self.hidden)] * self.depth + ["10"])
+        return f"MLP {shape}"
+
+    def meta_model(self, xp=np):
+        return build_mlp(self.hidden, self.depth, xp)
+
+    def torch_model(self):
+        """Return (model, units): the torch MLP with the same weights, and its FSDP units."""
+        import torch
+
+        h = self.hidden
+        layers = [torch.nn.Linear(784, h), torch.nn.ReLU()]
+        for _ in range(self.depth - 1):
+            layers += [torch.nn.Linear(h, h), torch.nn.ReLU()]
+        model = torch.nn.Sequential(*layers, torch.nn.Linear(h, 10))
+        with torch.no_grad():  # meta_dist stores W as (in, out), torch as (out, in)
+            start = self.meta_model()
+            for mine, theirs in zip(model[::2], start.layers[::2], strict=True):
+                mine.weight.copy_(torch.from_numpy(theirs.params["weight"].T))
+                mine.bias.copy_(torch.from_numpy(theirs.params["bias"]))
+        return model, list(model[::2])
+
+    @staticmethod
+    def torch_loss(out, y):
+        import torch.nn.functional as F
+
+        return F.cross_entropy(out, y)
+
+
+class GPTWorkload:
+    """A GPT (meta_dist.models.gpt) on the standard library's characters, next-token loss."""
+
+    unit = "tokens"
+
+    def __init__(self, args):
+        self.n_layer, self.n_head, self.n_embd, self.block_size = args.gpt
+        self.global_batch = args.batch or 32
+        ids, self.vocab = char_corpus()
+        x, y = windows(ids, self.block_size)
+        need = BATCHES * self.global_batch
+        if len(x) < need:
+            raise SystemExit(f"bench_train: the corpus has {len(x)} windows of "
+                             f"{self.block_size}; --batch {self.global_batch} needs {need}")
+        self.x, self.y = np.ascontiguousarray(x[:need]), np.ascontiguousarray(y[:need])
+        self.config = {}
+        self.loss_fn, self.per_step = cross_entropy_tokens, self.global_batch * self.block_size
+
+    def describe(self):
+        return (f"GPT {self.n_layer} layers x {self.n_head} heads, width {self.n_embd}, context "
+                f"{self.block_size}, vocabulary {len(self.vocab)}")
+
+    def meta_model(self, xp=np):
+        return gpt(len(self.vocab), self.block_size, self.n_layer, self.n_head, self.n_embd,
+                   seed=SEED, dtype=np.float32, xp=xp)
+
+    def torch_model(self):
+        """Return (model, units): TorchGPT with the same weights, and its blocks as FSDP units."""
+        from meta_dist.models.torch_gpt import twin
+
+        model = twin(self.meta_model(), len(self.vocab), self.block_size, self.n_layer,
+                     self.n_head, self.n_embd)
+        return model, list(model.h)
+
+    def torch_loss(self, logits, y):
+        import torch.nn.functional as F
+
+        return F.cross_entropy(logits.view(-1, len(self.vocab)), y.view(-1))
+
+
+def count_params(model):
+    """Return the number of parameters of a meta_dist model; a tied array counts once."""
+    arrays = {id(a): a for layer in model.layers for a in layer.params.values()}
+    return sum(a.size for a in arrays.values())
 
 
 def rss_mib(field):
@@ -78,51 +174,41 @@ def reset_peak():
         refs.write("5")
 
 
-def meta_variant(level, args):
+def meta_variant(level, work, args):
     """Return (step function, memory_report, traffic) for a meta_dist Trainer at ``level``."""
     config = load_config(
-        {"batch_size": GLOBAL_BATCH, "optimizer": "adam", "lr": 1e-3, "input_shape": [784],
-         "num_classes": 10, "dtype": "float32", "precision": args.precision},
+        {"batch_size": work.global_batch, "optimizer": "adam", "lr": 1e-3, "dtype": "float32",
+         "precision": args.precision, **work.config},
         {"zero_opt_level": level, "overlap_comm": args.overlap, "bucket_size_mb": args.bucket_mb,
          "device": args.device, "backend": "mpi" if args.device == "cpu" else "auto",
          "seed": SEED, "nonfinite": args.nonfinite, "reshard_after_forward": args.reshard})
     xp = array_module_for(config)  # cupy on this rank's GPU for --device cuda
-    trainer = Trainer(build_mlp(args.hidden, args.depth, xp), config, log=None)
+    trainer = Trainer(work.meta_model(xp), config, loss_fn=work.loss_fn, log=None)
     args.resolved_overlap = trainer.overlap
     # the batch is copied to the device inside the step, as torch's is; float() waits for it
     return (lambda x, y: float(trainer.train_step(xp.asarray(x), xp.asarray(y))),
             trainer.memory_report(), trainer.comm.traffic)
 
 
-def torch_variant(kind, args):
+def torch_variant(kind, work, args):
     """Return (step function, None, None) for PyTorch: "ddp", "zero" (DDP with
-    ZeroRedundancyOptimizer) or "fsdp" (FSDP2 ``fully_shard`` on each Linear, then on the
-    model: FULL_SHARD, or SHARD_GRAD_OP's behaviour with --no-reshard); gloo on the CPU."""
+    ZeroRedundancyOptimizer) or "fsdp" (FSDP2 ``fully_shard`` on each of the workload's units,
+    then on the model: FULL_SHARD, or SHARD_GRAD_OP's behaviour with --no-reshard); gloo on the
+    CPU."""
     import torch
-    import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    h = args.hidden
-    layers = [torch.nn.Linear(784, h), torch.nn.ReLU()]
-    for _ in range(args.depth - 1):
-        layers += [torch.nn.Linear(h, h), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*layers, torch.nn.Linear(h, 10))
-    with torch.no_grad():  # meta_dist stores W as (in, out), torch as (out, in)
-        start = build_mlp(h, args.depth)
-        for mine, theirs in zip(model[::2], start.layers[::2], strict=True):
-            mine.weight.copy_(torch.from_numpy(theirs.params["weight"].T))
-            mine.bias.copy_(torch.from_numpy(theirs.params["bias"]))
-        del start
+    model, units = work.torch_model()
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else None
     model.to(device or "cpu")
     if kind == "fsdp":
         mesh = init_device_mesh(device.type if device else "cpu",
                                 (torch.distributed.get_world_size(),))
-        for layer in model[::2]:  # the Linears: one unit each, as meta_dist's level 3 gathers
-            fully_shard(layer, mesh=mesh, reshard_after_forward=args.reshard)
+        for unit in units:  # one unit each, as meta_dist's level 3 gathers layer by layer
+            fully_shard(unit, mesh=mesh, reshard_after_forward=args.reshard)
         ddp = fully_shard(model, mesh=mesh, reshard_after_forward=args.reshard)
     else:
         ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb,
@@ -137,7 +223,7 @@ def torch_variant(kind, args):
         x, y = torch.from_numpy(x), torch.from_numpy(y)
         if device is not None:
             x, y = x.to(device), y.to(device)
-        loss = F.cross_entropy(ddp(x), y)
+        loss = work.torch_loss(ddp(x), y)
         loss.backward()
         opt.step()
         return loss.item()  # a Python float, as the meta_dist step returns
@@ -189,6 +275,12 @@ def parse_args():
     p.add_argument("--depth", type=int, default=2,
                    help="hidden layers (784-H-...-H-10); --hidden 2048 --depth 6 is 22.6M "
                         "parameters in layers of equal size")
+    p.add_argument("--model", choices=("mlp", "gpt"), default="mlp",
+                   help="the workload: the reference MLP, or a GPT on characters")
+    p.add_argument("--gpt", default="2,2,64,32", metavar="N_LAYER,N_HEAD,N_EMBD,BLOCK_SIZE",
+                   help="the GPT's shape (--model gpt); default configs/gpt-tiny.yaml's")
+    p.add_argument("--batch", type=int, default=None,
+                   help="global batch: samples (mlp, default 256) or windows (gpt, default 32)")
     p.add_argument("--reshard", action=argparse.BooleanOptionalAction, default=True,
                    help="level 3's reshard_after_forward (and FSDP FULL_SHARD vs SHARD_GRAD_OP)")
     p.add_argument("--torch", action="store_true",
@@ -198,6 +290,13 @@ def parse_args():
                         "(nccl process group)")
     args = p.parse_args()
     args.levels = [int(level) for level in args.levels.split(",") if level]
+    try:
+        args.gpt = tuple(int(n) for n in args.gpt.split(","))
+        if len(args.gpt) != 4:
+            raise ValueError
+    except ValueError:
+        p.error(f"--gpt {args.gpt}: expected four integers N_LAYER,N_HEAD,N_EMBD,BLOCK_SIZE, "
+                "e.g. 2,2,64,32")
     return args
 
 
@@ -206,19 +305,20 @@ def main():
     dist.get_context()  # meta_dist up before torch, so its communicators come first
     world = MPI.COMM_WORLD.Dup()
     rank, size = world.rank, world.size
-    local = GLOBAL_BATCH // size  # check_world in the Trainer rejects sizes that do not divide
-    x, y = synthetic_classification(BATCHES * GLOBAL_BATCH, (784,), 10, seed=SEED)
-    starts = [i * GLOBAL_BATCH + rank * local for i in range(BATCHES)]  # this rank's part
-    batches = [(x[s:s + local], y[s:s + local]) for s in starts]
+    work = GPTWorkload(args) if args.model == "gpt" else MLPWorkload(args)
+    glob = work.global_batch
+    local = glob // size  # check_world in the Trainer rejects sizes that do not divide
+    starts = [i * glob + rank * local for i in range(BATCHES)]  # this rank's part
+    batches = [(work.x[s:s + local], work.y[s:s + local]) for s in starts]
     if args.torch:
         start_torch(world, args.device)
     makers = {f"meta_dist ZeRO-{lv}" if lv else "meta_dist DP":
-              (lambda lv=lv: meta_variant(lv, args)) for lv in args.levels}
+              (lambda lv=lv: meta_variant(lv, work, args)) for lv in args.levels}
     if args.torch:
-        makers["torch DDP"] = lambda: torch_variant("ddp", args)
-        makers["torch DDP + ZeroRedundancyOpt"] = lambda: torch_variant("zero", args)
+        makers["torch DDP"] = lambda: torch_variant("ddp", work, args)
+        makers["torch DDP + ZeroRedundancyOpt"] = lambda: torch_variant("zero", work, args)
         makers["torch FSDP2 " + ("FULL_SHARD" if args.reshard else "SHARD_GRAD_OP")] = \
-            lambda: torch_variant("fsdp", args)
+            lambda: torch_variant("fsdp", work, args)
 
     runs = {}  # name -> dict(step, report, peak, held, times, done, loss)
     for name, make in makers.items():
@@ -253,17 +353,16 @@ def main():
                                    op=MPI.MAX)
 
     if rank == 0:
-        params = sum(build_mlp(args.hidden, args.depth).layer_numels())
-        shape = "-".join(["784"] + [str(args.hidden)] * args.depth + ["10"])
+        params = count_params(work.meta_model())
         torch_backend = "nccl" if args.device == "cuda" else "gloo"
-        print(f"# {size} ranks, MLP {shape} ({params / 1e6:.2f}M params)"
+        print(f"# {size} ranks, {work.describe()} ({params / 1e6:.2f}M params)"
               f", Adam, {args.precision}, {args.device}, torch on {torch_backend}"
-              f", global batch {GLOBAL_BATCH} ({local}/rank), overlap_comm="
+              f", global batch {glob} ({local}/rank), overlap_comm="
               f"{getattr(args, 'resolved_overlap', args.overlap)}, bucket {args.bucket_mb:g} MiB, "
               f"1 thread/rank; {args.steps} steps "
               f"after {args.warmup} warmup; step time = max over ranks of the median; memory "
               "MiB per rank (max over ranks)")
-        print(f"{'variant':<31}{'step ms':>8}{'samples/s':>10}{'peak Δ':>8}{'held Δ':>8}"
+        print(f"{'variant':<31}{'step ms':>8}{work.unit + '/s':>10}{'peak Δ':>8}{'held Δ':>8}"
               f"{'params':>8}{'grads':>7}{'optim':>7}{'bufs':>6}{'MiB/step':>9}{'loss':>8}")
         for name, r in runs.items():
             rep = r["report"]
@@ -271,7 +370,7 @@ def main():
                              (("params", 8), ("grads", 7), ("optimizer", 7), ("buffers", 6)))
                      if rep else f"{'-':>8}{'-':>7}{'-':>7}{'-':>6}")
             moved = f"{r['moved']:>9.2f}" if r["traffic"] else f"{'-':>9}"
-            print(f"{name:<31}{r['ms']:>8.2f}{GLOBAL_BATCH / r['ms'] * 1e3:>10.0f}"
+            print(f"{name:<31}{r['ms']:>8.2f}{work.per_step / r['ms'] * 1e3:>10.0f}"
                   f"{r['peak']:>8.1f}{r['held']:>8.1f}{model}{moved}{r['loss']:>8.4f}")
         print(f"# process peak RSS (ru_maxrss, max over ranks): {process_peak:.0f} MiB; with "
               "several variants in one process the Δ columns may blur: use --levels N for one")
@@ -279,8 +378,8 @@ def main():
         dp, ddp = ms.get("meta_dist DP"), ms.get("torch DDP")
         parts = []
         if dp and ddp:
-            parts.append(f"DP {GLOBAL_BATCH / dp * 1e3:.0f} samples/s = {ddp / dp:.2f}x torch DDP "
-                         f"({GLOBAL_BATCH / ddp * 1e3:.0f})")
+            parts.append(f"DP {work.per_step / dp * 1e3:.0f} {work.unit}/s = {ddp / dp:.2f}x "
+                         f"torch DDP ({work.per_step / ddp * 1e3:.0f})")
         for level in (1, 2):
             if dp and f"meta_dist ZeRO-{level}" in ms:
                 parts.append(f"ZeRO-{level}/DP step time {ms[f'meta_dist ZeRO-{level}'] / dp:.3f}")

@@ -8,8 +8,6 @@ difference and says why. Skipped where torch is not installed (pip install -e '.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
@@ -18,6 +16,14 @@ from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 from meta_dist.models import gpt  # noqa: E402
+from meta_dist.models.torch_gpt import (  # noqa: E402
+    TorchAttention,
+    TorchBlock,
+    TorchMLP,
+    gpt_names,
+    is_linear_weight,
+    twin as torch_gpt_twin,
+)
 from meta_dist.nn import layers as L  # noqa: E402
 from meta_dist.nn import transformer as T  # noqa: E402
 from meta_dist.nn.losses import (  # noqa: E402
@@ -41,23 +47,7 @@ def close(ours, theirs, dtype, what: str) -> None:
                                atol=tol * scale)
 
 
-# ---- small torch modules: nanoGPT's model.py, written out (the oracle side) ----
-
-
-class TorchAttention(nn.Module):
-    def __init__(self, n_embd, n_head):
-        super().__init__()
-        self.c_attn, self.c_proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
-        self.n_head = n_head
-
-    def forward(self, x):
-        b, t, c = x.shape
-        q, k, v = (z.view(b, t, self.n_head, -1).transpose(1, 2)
-                   for z in self.c_attn(x).split(c, dim=2))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        att = att.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
-        y = F.softmax(att, dim=-1) @ v
-        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+# ---- small torch modules beside meta_dist.models.torch_gpt's (the oracle side) ----
 
 
 class TorchSDPA(nn.Module):
@@ -73,29 +63,6 @@ class TorchSDPA(nn.Module):
                    for z in qkv.split(c3 // 3, dim=2))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return y.transpose(1, 2).reshape(b, t, c3 // 3)
-
-
-class TorchMLP(nn.Module):
-    def __init__(self, n_embd):
-        super().__init__()
-        self.c_fc, self.c_proj = nn.Linear(n_embd, 4 * n_embd), nn.Linear(4 * n_embd, n_embd)
-        # nanoGPT uses the exact nn.GELU(); meta_dist's GELU is the tanh form (GPT-2's), so the
-        # oracle is too. The gap between the two forms is pinned in test_gelu_is_the_tanh_form.
-        self.gelu = nn.GELU(approximate="tanh")
-
-    def forward(self, x):
-        return self.c_proj(self.gelu(self.c_fc(x)))
-
-
-class TorchBlock(nn.Module):
-    def __init__(self, n_embd, n_head):
-        super().__init__()
-        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
-        self.attn, self.mlp = TorchAttention(n_embd, n_head), TorchMLP(n_embd)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
 
 
 class TorchTokens(nn.Module):
@@ -114,32 +81,6 @@ class TorchTiedHead(nn.Module):
 
     def forward(self, x):
         return F.linear(x, self.weight)
-
-
-class TorchGPT(nn.Module):
-    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd):
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
-        self.h = nn.ModuleList(TorchBlock(n_embd, n_head) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd)
-        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # weight tying, as nanoGPT
-
-    def forward(self, idx):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
-        for block in self.h:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
-
-
-# ---- layers: same weights, forward and backward ----
-
-LINEAR_WEIGHTS = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
-
-
-def is_linear_weight(layer, name: str) -> bool:
-    """meta_dist's Linear stores its weight (in, out), torch's (out, in): one transposes."""
-    return isinstance(layer, L.Linear) and name == "weight" or name.endswith(LINEAR_WEIGHTS)
 
 
 def compare_layer(layer, module, x, dtype, *, transposed=None):
@@ -427,31 +368,9 @@ def test_adam_weight_decay_is_l2_not_decoupled():
 VOCAB, BLOCK, N_LAYER, N_HEAD, N_EMBD = 17, 8, 2, 2, 16
 
 
-def torch_twin(model) -> TorchGPT:
+def torch_twin(model):
     """Return TorchGPT holding the weights of the meta_dist ``model`` (float64)."""
-    twin = TorchGPT(VOCAB, BLOCK, N_LAYER, N_HEAD, N_EMBD).double()
-    with torch.no_grad():
-        for torch_name, (layer, name) in gpt_names(model).items():
-            value = layer.params[name]
-            twin.get_parameter(torch_name).copy_(
-                torch.from_numpy(value.T if is_linear_weight(layer, name) else value))
-    return twin
-
-
-def gpt_names(model) -> dict:
-    """Map each torch parameter name to (meta_dist layer, name); the tied head is left out."""
-    names = {}
-    for i, layer in enumerate(model.layers):
-        for name in layer.params:
-            if isinstance(layer, T.TiedHead):
-                continue  # the same array as wte.weight
-            if isinstance(layer, T.TokenAndPosition):
-                names[name] = (layer, name)
-            elif isinstance(layer, T.Block):
-                names[f"h.{i - 1}.{name}"] = (layer, name)
-            else:
-                names[f"ln_f.{name}"] = (layer, name)
-    return names
+    return torch_gpt_twin(model, VOCAB, BLOCK, N_LAYER, N_HEAD, N_EMBD)
 
 
 def meta_grad(model, layer, name):
