@@ -30,6 +30,8 @@ __version__ = "0.1.0"
 
 if failfast.launched_size() > 1:  # a rank of several: failing before MPI starts ends the job
     failfast.install()
+else:  # a process alone: a user's mistake is one line, not a traceback
+    failfast.install_for_one_process()
 
 _STARTS_MPI = {"Communicator": "meta_dist.comm", "Handle": "meta_dist.comm",
                "make_communicator": "meta_dist.comm", "MPIConnector": "meta_dist.connector"}

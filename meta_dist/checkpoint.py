@@ -34,12 +34,14 @@ from typing import Any
 
 import numpy as np
 
+from meta_dist.errors import UsageError
+
 FORMAT = 1
 MANIFEST, LATEST, STEP_PREFIX, TMP_PREFIX = "manifest.json", "latest", "step-", ".tmp-step-"
 BUFFERS = "buffers.npz"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UsageError):
     """A checkpoint that cannot be used: missing, incomplete, corrupt, or of another model."""
 
 
@@ -59,8 +61,9 @@ class Checksum:
     The stream is cut into blocks of BLOCK bytes; each block's little-endian 64-bit words are
     summed (wrapping; the last block padded with zeros), and crc32 folds the block sums and
     the length, so a changed word, a lost or reordered block and a truncation all show. crc32
-    over the data itself cost as much as writing it (about 4 GB/s here against numpy's sum at
-    memory speed); this is not a defence against deliberate changes, only against damage.
+    over the data itself runs slower than numpy's sum, which runs at memory speed, and cost as
+    much as the write (bench_checkpoint.py); this is not a defence against deliberate changes,
+    only against damage.
     """
 
     BLOCK = 1 << 20

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any, get_args, get_origin, get_type_hints
 
 import yaml
 
+from meta_dist.errors import UsageError
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
@@ -114,7 +116,7 @@ class DistConfig(_Validated):
     @staticmethod
     def _check_together(values: dict[str, Any], where: Callable[..., str]) -> None:
         if not values["enable_data_parallel"] and values["zero_opt_level"] > 0:
-            raise ValueError(
+            raise UsageError(
                 f"{where('enable_data_parallel', 'zero_opt_level')}: {DIST}.zero_opt_level needs "
                 f"{DIST}.enable_data_parallel; got enable_data_parallel=False, zero_opt_level="
                 f"{values['zero_opt_level']}, expected zero_opt_level 0 when "
@@ -122,7 +124,7 @@ class DistConfig(_Validated):
                 "set enable_data_parallel: true or zero_opt_level: 0"
             )
         if values["backend"] == "nccl" and values["device"] == "cpu":
-            raise ValueError(
+            raise UsageError(
                 f"{where('backend', 'device')}: {DIST}.backend and {DIST}.device contradict; got "
                 "backend='nccl', device='cpu', expected device 'cuda' or 'auto' with nccl; NCCL "
                 "moves GPU arrays only, so set backend: mpi or device: cuda"
@@ -219,43 +221,43 @@ class TrainConfig(_Validated):
     @staticmethod
     def _check_together(values: dict[str, Any], where: Callable[..., str]) -> None:
         if values["precision"] != "fp32" and values["dtype"] != "float32":
-            raise ValueError(
+            raise UsageError(
                 f"{where('precision', 'dtype')}: {TRAIN}.precision {values['precision']} needs "
                 f"a float32 model; got dtype={values['dtype']!r}, expected dtype 'float32' with "
                 f"fp16 or bf16 (its fp32 copy is the master); set dtype: float32 or precision: "
                 "fp32")
         if values["precision"] != "fp16" and values["loss_scale"] != "dynamic":
-            raise ValueError(
+            raise UsageError(
                 f"{where('loss_scale', 'precision')}: {TRAIN}.loss_scale is for fp16 only; got "
                 f"loss_scale={values['loss_scale']!r} with precision={values['precision']!r}, "
                 "expected precision fp16 or loss_scale dynamic (the default, unused outside "
                 "fp16)")
         if values["resume_from"] == "latest" and values["checkpoint_dir"] is None:
-            raise ValueError(
+            raise UsageError(
                 f"{where('resume_from', 'checkpoint_dir')}: {TRAIN}.resume_from 'latest' needs "
                 f"{TRAIN}.checkpoint_dir; got checkpoint_dir=None, expected the directory to "
                 "look in; set checkpoint_dir, or resume_from: a checkpoint's path")
         if values["optimizer"] == "sgd" and values["nesterov"] and values["momentum"] == 0:
-            raise ValueError(
+            raise UsageError(
                 f"{where('nesterov', 'momentum')}: {TRAIN}.nesterov needs {TRAIN}.momentum; got "
                 "nesterov=True, momentum=0.0, expected momentum > 0 with nesterov and sgd; set "
                 "momentum or nesterov: false"
             )
         if values["dataset"] == "digits" and values["data_path"] is None and (
                 tuple(values["input_shape"]) != (1, 8, 8) or values["num_classes"] != 10):
-            raise ValueError(
+            raise UsageError(
                 f"{where('dataset', 'input_shape', 'num_classes')}: {TRAIN}.dataset digits holds "
                 f"8x8 grey images of 10 digits; got input_shape={list(values['input_shape'])}, "
                 f"num_classes={values['num_classes']}, expected input_shape [1, 8, 8] and "
                 "num_classes 10; set them so (configs/digits.yaml does)")
         if values["n_embd"] % values["n_head"]:
-            raise ValueError(
+            raise UsageError(
                 f"{where('n_embd', 'n_head')}: {TRAIN}.n_head must divide {TRAIN}.n_embd; got "
                 f"n_embd={values['n_embd']}, n_head={values['n_head']}, expected n_embd a "
                 "multiple of n_head (each head takes n_embd / n_head channels)")
         path = values["data_path"]
         if path is not None and not Path(path).is_file():
-            raise ValueError(
+            raise UsageError(
                 f"{where('data_path')}: train_config.data_path file not found; got {path!r}, "
                 f"expected an existing .npz file with arrays x, y (looked in {Path.cwd()}); "
                 "fix the path or set data_path: null for synthetic data"
@@ -310,9 +312,10 @@ def load_config(
         The validated Config, with the source of every value in ``Config.sources``.
 
     Raises:
-        ValueError: An unknown key or section, a value out of range or not among the choices,
+        UsageError: An unknown key or section, a value of the wrong type (bool and int are not
+            interchangeable), out of range or not among the choices,
             contradictory values, a file that is missing or not YAML, or a malformed override.
-        TypeError: A value of the wrong type (bool and int are not interchangeable).
+        TypeError: A section that is not a dict, or overrides given as one string.
     """
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -354,8 +357,9 @@ def check_world(config: Config, size: int) -> None:
         size: The number of ranks (MPI world size).
 
     Raises:
-        ValueError: Data parallelism is off with more than one rank, the global batch does
-            not split evenly across ranks, or ``size`` < 1.
+        UsageError: Data parallelism is off with more than one rank, or the global batch does
+            not split evenly across ranks.
+        ValueError: ``size`` < 1.
         TypeError: ``size`` is not an int.
     """
     if isinstance(size, bool) or not isinstance(size, int):
@@ -364,7 +368,7 @@ def check_world(config: Config, size: int) -> None:
         raise ValueError(f"check_world: size is out of range; got {size!r}, expected an int >= 1")
     if not config.dist.enable_data_parallel and size > 1:
         where = _where(config.sources.get(f"{DIST}.enable_data_parallel", "code"))
-        raise ValueError(
+        raise UsageError(
             f"check_world: {DIST}.enable_data_parallel is false with {size} ranks (set in "
             f"{where}); got enable_data_parallel=False, expected true when size > 1; every rank "
             "would train its own copy, so set enable_data_parallel: true or launch 1 rank"
@@ -376,7 +380,7 @@ def check_world(config: Config, size: int) -> None:
         below, above = batch - batch % parts, batch - batch % parts + parts
         nearest = f"{below} or {above}" if below else str(above)
         split = f"{size} ranks" + (f" x {micro} micro-batches" if micro > 1 else "")
-        raise ValueError(
+        raise UsageError(
             f"check_world: {TRAIN}.batch_size does not split across {split} (set in "
             f"{where}); got batch_size={batch}, size={size}"
             + (f", grad_accum_steps={micro}" if micro > 1 else "")
@@ -397,7 +401,7 @@ def check_same_everywhere(config: Config, allgather: Callable[[Any], list[Any]])
         allgather: returns the list of every rank's object (``MPIConnector.allgather``).
 
     Raises:
-        ValueError: naming each key that differs, with each rank's value and where it came from.
+        UsageError: naming each key that differs, with each rank's value and where it came from.
     """
     values = {f"{section}.{name}": value for section, given in config.as_dicts().items()
               for name, value in given.items() if f"{section}.{name}" not in PER_RANK_KEYS}
@@ -409,7 +413,7 @@ def check_same_everywhere(config: Config, allgather: Callable[[Any], list[Any]])
     listing = "; ".join(
         f"{key}: " + ", ".join(f"rank {r} {v[key]!r} ({_where(src.get(key, 'code'))})"
                                for r, (v, src) in enumerate(every)) for key in differ)
-    raise ValueError(
+    raise UsageError(
         f"config: the ranks resolved different configurations: {listing}; expected one "
         "configuration on every rank (data parallelism would train a different model on each): "
         "make the config file, the command line and the environment the same everywhere")
@@ -428,7 +432,7 @@ def parse_cli(argv: Sequence[str], train_config: dict | None = None,
         ``(path, overrides)``, ready for ``load_config(train_config, meta_dist_config, *...)``.
 
     Raises:
-        ValueError: A word that is neither ``--config PATH``, ``--config=PATH`` nor ``KEY=VALUE``.
+        UsageError: A word that is neither ``--config PATH``, ``--config=PATH`` nor ``KEY=VALUE``.
         SystemExit: With code 0 after printing usage, for ``-h`` or ``--help``.
     """
     words = list(argv)
@@ -448,9 +452,9 @@ def _split_words(words: list[str]) -> tuple[str | None, list[str]]:
         if word == "--config" or word.startswith("--config="):
             given = word.partition("=")[2] if "=" in word else (words.pop(0) if words else "")
             if not given or given.startswith("-"):
-                raise ValueError(f"parse_cli: --config needs a PATH; got {given!r}; {usage}")
+                raise UsageError(f"parse_cli: --config needs a PATH; got {given!r}; {usage}")
             if path is not None:
-                raise ValueError(
+                raise UsageError(
                     f"parse_cli: --config given twice; got {path!r} and {given!r}, expected one "
                     f"file; {usage}"
                 )
@@ -459,7 +463,7 @@ def _split_words(words: list[str]) -> tuple[str | None, list[str]]:
             overrides.append(word)
         else:
             hint = "; write overrides without dashes" if word.startswith("--") else ""
-            raise ValueError(
+            raise UsageError(
                 f"parse_cli: unknown argument; got {word!r}, expected --config PATH or "
                 f"KEY=VALUE{hint}; {usage}"
             )
@@ -493,7 +497,7 @@ _Loader.add_implicit_resolver(
 
 def _read_yaml(path: str | Path) -> dict[str, Any]:
     if not Path(path).is_file():
-        raise ValueError(
+        raise UsageError(
             f"load_config: config file not found; got {str(path)!r}, expected an existing YAML "
             f"file (looked in {Path.cwd()}); see configs/ for examples"
         )
@@ -505,24 +509,24 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or " ".join(str(err).split())
         if "python/" in problem:  # a tag that would build a Python object: never run
-            raise ValueError(
+            raise UsageError(
                 f"{path}: a YAML tag that builds a Python object{at} ({problem}); config files "
                 "are read as plain data and never run code: write plain values (numbers, "
                 "strings, lists) instead") from None
-        raise ValueError(
+        raise UsageError(
             f"{path}: cannot parse YAML; got {problem}{at}, expected a mapping with sections "
             f"{TRAIN}: and {DIST}: holding KEY: VALUE lines"
         ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ValueError(
+        raise UsageError(
             f"{path}: top level is not a mapping; got {type(data).__name__} {data!r}, expected "
             f"sections {TRAIN}: and {DIST}: holding KEY: VALUE lines"
         )
     for section in data:
         if section not in _SECTIONS:
-            raise ValueError(_unknown("section", str(section), list(_SECTIONS), path))
+            raise UsageError(_unknown("section", str(section), list(_SECTIONS), path))
     return data
 
 
@@ -530,7 +534,7 @@ def _set_section(values: dict, sources: dict, section: str, given: Any, source: 
     if given is None:  # an empty section in YAML
         return
     if not isinstance(given, dict):
-        raise ValueError(
+        raise UsageError(
             f"{_where(source)}: section {section!r} is not a mapping; got {given!r}, expected "
             f"KEY: VALUE pairs with keys from {', '.join(_TYPES[section])}"
         )
@@ -544,7 +548,7 @@ def _parse_override(word: str) -> tuple[str, Any]:
     name, eq, text = str(word).partition("=")
     name = name.strip()
     if not eq or not name:
-        raise ValueError(
+        raise UsageError(
             f"command line: override is not KEY=VALUE; got {word!r}, expected e.g. "
             "zero_opt_level=2 or meta_dist_config.zero_opt_level=2 (no spaces around '=')"
         )
@@ -556,7 +560,7 @@ def _parse_override(word: str) -> tuple[str, Any]:
     try:
         value = yaml.load(text, Loader=_Loader)  # safe: _Loader is a SafeLoader
     except yaml.YAMLError:
-        raise ValueError(
+        raise UsageError(
             f"command line: value of {key} is not YAML; got {text!r}, expected e.g. 2, true, "
             "adam or [1, 28, 28]; quote it in the shell if it holds spaces"
         ) from None
@@ -568,25 +572,25 @@ def _check_value(key: str, value: Any, source: str) -> Any:
     section, dot, name = key.partition(".")
     if not dot:  # a bare override naming no field of either section
         names = [n for types in _TYPES.values() for n in types]
-        raise ValueError(_unknown("key", key, names, source))
+        raise UsageError(_unknown("key", key, names, source))
     if section not in _SECTIONS:
-        raise ValueError(_unknown("section", section, list(_SECTIONS), source, key))
+        raise UsageError(_unknown("section", section, list(_SECTIONS), source, key))
     if name not in _TYPES[section]:
-        raise ValueError(_unknown("key", name, list(_TYPES[section]), source, key))
+        raise UsageError(_unknown("key", name, list(_TYPES[section]), source, key))
     hint = _TYPES[section][name]
     meta = _SECTIONS[section].__dataclass_fields__[name].metadata
     choices = meta.get("choices", ())
     rule = f"one of {', '.join(map(repr, choices))}" if choices else meta.get("rule", "")
     coerced = _coerce(value, hint)
     if coerced is _BAD:
-        raise TypeError(
+        raise UsageError(
             f"{_where(source)}: {key} has the wrong type; got {value!r} "
             f"({type(value).__name__}), expected {_type_name(hint)}{', ' + rule if rule else ''}"
         )
     if (choices and coerced not in choices) or ("check" in meta and not meta["check"](coerced)):
         hint_text = meta.get("hints", {}).get(coerced, "")
         wrong = "is not a valid choice" if choices else "is out of range"
-        raise ValueError(
+        raise UsageError(
             f"{_where(source)}: {key} {wrong}; got {value!r}, expected {rule}"
             + (f"; {hint_text}" if hint_text else "")
         )

@@ -1,6 +1,6 @@
 """MPIConnector: the MPI world of this job (who am I, how many are we, on which node).
 
-Imports mpi4py and meta_dist.failfast only; everything else in meta_dist that needs to know about
+Imports mpi4py, meta_dist.failfast and meta_dist.errors only; everything else in meta_dist that needs to know about
 ranks asks a connector. The connector also installs the failure policy (``failfast``): a rank
 that raises or exits with an error ends the whole job, so no peer is left waiting in a
 collective.
@@ -8,13 +8,20 @@ collective.
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
 from typing import Any
 
 from meta_dist.lazy_mpi import MPI
 
 import meta_dist.failfast as failfast
+from meta_dist.errors import UsageError
 
 ROOT_RANK = 0
+# what an mpirun tells each process of the job's size: Open MPI's, MPICH Hydra's, PMIx's (not
+# SLURM_NTASKS: a batch script's plain ``python`` sees it and rightly runs alone)
+_LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
 
 
 class MPIConnector:
@@ -39,6 +46,8 @@ class MPIConnector:
         self._size = self._comm.Get_size()
         self._local_rank = self._node_comm.Get_rank()
         self._local_size = self._node_comm.Get_size()
+        if comm is None:
+            _check_launcher(self._size)
         if abort_on_exception and self._size > 1:
             failfast.install()
             failfast.track(self)
@@ -86,8 +95,7 @@ class MPIConnector:
     @property
     def library_version(self) -> str:
         """The MPI library's version line, printable (its C string ends in a NUL byte)."""
-        text = MPI.Get_library_version().splitlines()[0] if MPI.Get_library_version() else ""
-        return "".join(c for c in text if c.isprintable()).strip()
+        return _library_line()
 
     @property
     def closed(self) -> bool:
@@ -135,3 +143,30 @@ class MPIConnector:
                 f"MPIConnector.{api}: root out of range; got {root}, expected 0 <= root < "
                 f"{self._size}"
             )
+
+
+def _check_launcher(size: int) -> None:
+    """Raise UsageError when the launcher announced more ranks than MPI started.
+
+    The mark of an mpirun of another MPI than the one mpi4py loads: each process gets the
+    launcher's variables but its MPI starts alone, as a job of size 1.
+    """
+    announced = next(((name, os.environ[name]) for name in _LAUNCHER_SIZE_VARS
+                      if os.environ.get(name, "").isdigit()), None)
+    if announced is None or int(announced[1]) == size:
+        return
+    beside = Path(sys.executable).parent / "mpirun"
+    advice = (f"launch with the mpirun installed beside this Python ({beside})" if beside.exists()
+              else "launch with the mpirun of the MPI that mpi4py was built for")
+    raise UsageError(
+        f"MPI: the launcher started {announced[1]} ranks ({announced[0]}={announced[1]}), but "
+        f"this process's MPI started alone (size {size}): the mpirun that launched the job "
+        f"belongs to another MPI than the one mpi4py loads ({_library_line()}); {advice}, or "
+        "reinstall mpi4py for the MPI you launch with")
+
+
+def _library_line() -> str:
+    """The MPI library's version line, printable (its C string ends in a NUL byte)."""
+    text = MPI.Get_library_version().splitlines()[0] if MPI.Get_library_version() else ""
+    return "".join(c for c in text if c.isprintable()).strip()
+

@@ -9,9 +9,14 @@ MPI_Init: Hydra ends a job for a rank killed by a signal, not for one that exits
 - ``sys.exit(n)`` with n != 0 ends the job with exit code n, unless every meta_dist connector
   of this rank was closed first, or every rank said it leaves with n (``leave_together``:
   stopped by a signal after the same step); then the ranks finalize normally;
-- a clean exit (0) finalizes as usual.
+- a clean exit (0) finalizes as usual;
+- a user's mistake (``errors.UsageError``) and Ctrl-C (KeyboardInterrupt) print one line for
+  the whole job, not a traceback per rank: the failing ranks tell each other, the lowest of them
+  prints, and they exit with ``USAGE_EXIT`` (130 for Ctrl-C): together if every rank failed,
+  else by MPI_Abort. ``META_DIST_DEBUG=1`` shows the traceback as for any other error.
 Ending the job is MPI_Abort(n), after starting MPI if it had not started yet. ``sys.exit`` is
-wrapped to learn n: an exit handler cannot see it.
+wrapped to learn n: an exit handler cannot see it. Outside an MPI launcher only the one-line
+report of a mistake is installed (``install_for_one_process``).
 """
 
 from __future__ import annotations
@@ -19,11 +24,15 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import socket
 import sys
 import time
 import traceback
 import weakref
+from pathlib import Path
 from typing import Any
+
+from meta_dist.errors import USAGE_EXIT, UsageError
 
 # how each launcher tells a process its place in the job (Open MPI, MPICH Hydra, Slurm/PMIx)
 _SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
@@ -49,7 +58,7 @@ def install() -> None:
     if _installed[0]:
         return
     _installed[0] = True
-    sys.excepthook = _abort_on_exception
+    sys.excepthook = _end_job_on_exception
     real_exit = sys.exit
 
     def recording_exit(status: Any = None) -> None:
@@ -83,6 +92,115 @@ def _rank() -> str:
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         return str(mpi.COMM_WORLD.Get_rank())
     return next((os.environ[n] for n in _RANK_VARS if n in os.environ), "?")
+
+
+def install_for_one_process() -> None:
+    """Print an uncaught UsageError as one line and exit with USAGE_EXIT (a process that no MPI
+    launcher started); every other exception keeps the hook it had."""
+    if _installed[0]:
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type: type, exc: BaseException, tb: Any) -> None:
+        if isinstance(exc, UsageError) and not _debug():
+            _write(f"{_program()}: error: {exc}\n")
+            _leave(USAGE_EXIT)
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
+
+
+# the failing ranks' word to each other (point to point on the world, a tag of meta_dist's own)
+MISTAKE_TAG, PRINTED_TAG = 0x6D64, 0x6D65
+MISTAKE_GRACE_S = 5.0  # how long a failing rank waits to hear which others failed too
+
+
+def _debug() -> bool:
+    return os.environ.get("META_DIST_DEBUG", "") not in ("", "0")
+
+
+def _program() -> str:
+    return Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python"
+
+
+def _end_job_on_exception(exc_type: type, exc: BaseException, tb: Any) -> None:
+    if isinstance(exc, UsageError) and not _debug():
+        _report_once(str(exc), USAGE_EXIT)
+    if isinstance(exc, KeyboardInterrupt) and not _debug():
+        _report_once("interrupted (SIGINT); nothing was saved after the last checkpoint", 130)
+    _abort_on_exception(exc_type, exc, tb)
+
+
+def _report_once(message: str, code: int) -> None:
+    """Print ``message`` once for the job (the lowest failing rank) and end with ``code``.
+
+    Every failing rank tells every other rank (a small isend on the world, MISTAKE_TAG), then
+    listens up to MISTAKE_GRACE_S. The one that hears of no lower failing rank prints (rank 0
+    at once) and says so (PRINTED_TAG); the others wait for that word before they leave, so the
+    launcher cannot end the job before the line is out. If every rank failed (a config every
+    rank read), the ranks leave together through the normal exit (no abort); else the job ends
+    by MPI_Abort(code).
+    """
+    try:
+        from mpi4py import MPI  # starts MPI if the mistake came first: every rank does
+    except Exception:  # no MPI here: a process alone
+        _write(f"{_program()}: error: {message}\n")
+        _leave(code)
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    if rank == 0:
+        _write(f"{_program()}: error: {message}\n")
+    sends = [world.isend(None, dest=peer, tag=MISTAKE_TAG) for peer in range(size) if peer != rank]
+    heard = _listen(world, MISTAKE_TAG, lambda got: len(got) == size - 1, MISTAKE_GRACE_S)
+    everyone = len(heard) == size - 1
+    if not any(peer < rank for peer in heard):  # the lowest failing rank
+        if rank != 0:
+            _write(f"{_program()}: error on rank {rank} of {size} (host "
+                   f"{socket.gethostname()}; {len(heard) + 1} failed): {message}\n")
+        sends += [world.isend(None, dest=peer, tag=PRINTED_TAG)
+                  for peer in range(size) if peer != rank]
+    else:
+        _listen(world, PRINTED_TAG, bool, MISTAKE_GRACE_S)
+    if everyone:
+        MPI.Request.waitall(sends)
+        _leave(code)
+    end_job(code)
+
+
+def _listen(world: Any, tag: int, enough: Any, seconds: float) -> set[int]:
+    """Receive ``tag`` notes from any rank until ``enough(senders)`` or ``seconds`` pass."""
+    from mpi4py import MPI
+
+    heard: set[int] = set()
+    status = MPI.Status()
+    deadline = time.monotonic() + seconds
+    while not enough(heard) and time.monotonic() < deadline:
+        if world.iprobe(MPI.ANY_SOURCE, tag, status):
+            world.recv(source=status.Get_source(), tag=tag)
+            heard.add(status.Get_source())
+        else:
+            time.sleep(0.005)
+    return heard
+
+
+def _write(text: str) -> None:
+    stream = sys.__stderr__ or sys.stderr
+    with contextlib.suppress(Exception):
+        stream.write(text)
+        stream.flush()
+
+
+def _leave(code: int) -> None:
+    """Exit with ``code`` through the exit handlers (the watchdogs stop, MPI finalizes)."""
+    leave_together(code)
+    _exit_status[0] = code
+    with contextlib.suppress(Exception):
+        atexit._run_exitfuncs()  # what the interpreter would run at exit, then exit with code
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                stream.flush()
+    os._exit(code)
 
 
 def _abort_on_exception(exc_type: type, exc: BaseException, tb: Any) -> None:

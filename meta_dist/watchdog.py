@@ -39,6 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 import meta_dist.failfast as failfast
+from meta_dist.errors import UsageError
 from meta_dist.lazy_mpi import MPI
 from meta_dist.xp import is_cupy_array
 
@@ -68,7 +69,7 @@ def resolve_stall_timeout(configured: float | None = DEFAULT_STALL_TIMEOUT_S) ->
         except ValueError:
             value = -1.0
         if not value >= 0:  # also NaN
-            raise ValueError(f"{STALL_TIMEOUT_ENV}={text!r}: expected seconds >= 0 (0 turns the "
+            raise UsageError(f"{STALL_TIMEOUT_ENV}={text!r}: expected seconds >= 0 (0 turns the "
                              "stall watchdog off); set it to a number such as 300, or unset it")
         return value or None
     if configured is not None and not configured >= 0:

@@ -11,6 +11,8 @@ import types
 
 import numpy as np
 
+from meta_dist.errors import UsageError
+
 
 def cupy_or_none() -> types.ModuleType | None:
     """Return the cupy module if it imports, else None (never raises)."""
@@ -68,11 +70,11 @@ def select_device(local_rank: int) -> int:
     sees one device, and the modulo maps them all to device 0 as intended.
 
     Raises:
-        RuntimeError: no GPU is visible.
+        UsageError: no GPU is visible.
     """
     count = gpu_count()
     if count == 0:
-        raise RuntimeError(
+        raise UsageError(
             "select_device: no CUDA device is visible; got gpu_count() == 0, expected >= 1; "
             "install cupy-cuda12x (pip install 'meta_dist[gpu]') on a machine with a GPU, "
             "or use device: cpu"

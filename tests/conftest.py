@@ -11,3 +11,26 @@ if os.environ.get("META_DIST_MPI_SUITE") != "1":
     collect_ignore = ["mpi", "scripts"]
 else:
     collect_ignore = ["unit", "scripts"]
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say what the multi-rank suites ran: inner passes, failures and skips (with reasons)."""
+    import sys
+    from collections import Counter
+
+    mpirun = sys.modules.get("mpirun")
+    runs = getattr(mpirun, "SUITE_RUNS", [])
+    if not runs:
+        return
+    terminalreporter.section("multi-rank suites: the tests inside each mpirun job")
+    for folder, ranks, tests in runs:
+        counts = Counter(entry["outcome"] for entry in tests.values())
+        terminalreporter.line(f"{folder} at {ranks} rank(s): " + (", ".join(
+            f"{n} {outcome}" for outcome, n in sorted(counts.items())) or "no report"))
+        reasons = Counter(entry["reason"] for entry in tests.values()
+                          if entry["outcome"] == "skipped")
+        for reason, n in sorted(reasons.items()):
+            terminalreporter.line(f"    {n} skipped: {reason}")
+        for nodeid, entry in tests.items():
+            if entry["outcome"] == "failed":
+                terminalreporter.line(f"    FAILED {nodeid} on rank(s) {entry['failed_on']}")

@@ -1,19 +1,31 @@
 """The pytest hooks every multi-rank test folder shares (tests/mpi, tests/standin_tests/mpi).
 
-A conftest imports both hooks by name, which registers them for its folder:
+A conftest imports the hooks by name, which registers them for its folder:
 1. skips depend only on the world size (``@pytest.mark.mpi(min_size=n)``), so every rank
    collects and runs the same tests;
-2. a failed test on any rank prints ``[rank r] FAILED <test>`` with its traceback and aborts the
-   job (its peers would otherwise wait forever in their next collective).
+2. a failed test prints ``[rank r] FAILED <test>`` with its traceback; after each test the
+   ranks agree whether any of them failed (a nonblocking allreduce on a communicator of the
+   harness's own). A failure every rank got past goes on to the next test, so one failure hides
+   no other; a rank that failed while its peers are still inside the test (waiting in a
+   collective the failed rank left) ends the job after AGREE_TIMEOUT_S, as nothing else could;
+3. at the end rank 0 writes every test's outcome, per rank, to ``$META_DIST_SUITE_REPORT``
+   (JSON), which tests/mpirun.py's ``run_suite`` reads and the outer pytest summarises.
 Imports mpi4py only: the stand-in's tests use it without meta_dist.
 """
 
+import json
+import os
 import sys
+import time
 
+import numpy as np
 import pytest
 from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
+AGREE_TIMEOUT_S = 20.0  # how long a failed rank waits for its peers to finish the same test
+_agree = WORLD.Dup()  # collective: every rank imports the harness at start-up
+_outcomes: dict[str, dict] = {}  # nodeid -> {"outcome", "reason", "failed_on"} on this rank
 
 
 def pytest_collection_modifyitems(config, items):
@@ -27,8 +39,50 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_logreport(report):
-    if report.failed and WORLD.size > 1:
-        sys.stderr.write(f"[rank {WORLD.rank}] FAILED {report.nodeid} ({report.when})\n"
-                         f"{report.longreprtext}\n")
-        sys.stderr.flush()
-        WORLD.Abort(1)
+    entry = _outcomes.setdefault(report.nodeid, {"outcome": "passed", "reason": ""})
+    if report.failed:
+        entry["outcome"] = "failed"
+        if WORLD.size > 1:
+            sys.stderr.write(f"[rank {WORLD.rank}] FAILED {report.nodeid} ({report.when})\n"
+                             f"{report.longreprtext}\n")
+            sys.stderr.flush()
+    elif report.skipped and entry["outcome"] != "failed":
+        entry["outcome"] = "skipped"
+        longrepr = report.longrepr
+        entry["reason"] = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    yield
+    failed = _outcomes.get(item.nodeid, {}).get("outcome") == "failed"
+    mine, anyone = np.array([int(failed)], np.int32), np.zeros(1, np.int32)
+    request = _agree.Iallreduce(mine, anyone, op=MPI.MAX)
+    deadline = time.monotonic() + AGREE_TIMEOUT_S
+    while not request.Test():
+        if failed and time.monotonic() > deadline:
+            sys.stderr.write(f"[rank {WORLD.rank}] the other ranks did not finish "
+                             f"{item.nodeid} within {AGREE_TIMEOUT_S:.0f} s of its failure "
+                             "here (they wait for this rank); ending the job\n")
+            sys.stderr.flush()
+            WORLD.Abort(1)
+        time.sleep(0.001)
+    if anyone[0] and not failed:
+        _outcomes.setdefault(item.nodeid, {})["outcome"] = "failed elsewhere"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    every = _agree.gather(_outcomes, root=0)
+    path = os.environ.get("META_DIST_SUITE_REPORT")
+    if WORLD.rank != 0 or not path:
+        return
+    merged = {}
+    for rank, outcomes in enumerate(every):
+        for nodeid, entry in outcomes.items():
+            into = merged.setdefault(nodeid, {"outcome": entry["outcome"], "reason":
+                                              entry.get("reason", ""), "failed_on": []})
+            if entry["outcome"] == "failed":
+                into["failed_on"].append(rank)
+                into["outcome"] = "failed"
+    with open(path, "w") as out:
+        json.dump({"size": WORLD.size, "tests": merged}, out)

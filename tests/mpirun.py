@@ -104,3 +104,30 @@ def run(n: int, args: list[str], *, timeout: float = 300, hostfile: str | None =
         env: dict[str, str] | None = None) -> Result:
     """Run ``python args...`` on n ranks; a job past ``timeout`` is killed and reported."""
     return finish(start(n, args, timeout=timeout, hostfile=hostfile, env=env), timeout)
+
+
+# what every multi-rank suite run reported: (folder, ranks, {nodeid: outcome entry}); the
+# top-level conftest prints it in pytest's summary
+SUITE_RUNS: list[tuple[str, int, dict]] = []
+
+
+def run_suite(n: int, folder: str, *, timeout: float, env: dict[str, str]) -> tuple[Result, dict]:
+    """Run the pytest folder ``folder`` on n ranks (tests/mpi_harness.py); return the job's
+    result and each inner test's outcome ({nodeid: {"outcome", "reason", "failed_on"}})."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        report = Path(scratch) / "report.json"
+        result = run(n, ["-m", "mpi4py", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                         "-o", "faulthandler_timeout=60", folder],
+                     timeout=timeout, env={**env, "META_DIST_SUITE_REPORT": str(report)})
+        tests = json.loads(report.read_text())["tests"] if report.exists() else {}
+    SUITE_RUNS.append((folder, n, tests))
+    return result, tests
+
+
+def suite_failures(tests: dict) -> list[str]:
+    """Return one line per inner test that failed, with the ranks it failed on."""
+    return [f"{nodeid} (failed on rank(s) {', '.join(map(str, entry['failed_on']))})"
+            for nodeid, entry in tests.items() if entry["outcome"] == "failed"]

@@ -27,7 +27,7 @@ def make_communicator(backend: str, connector: MPIConnector, **kwargs: Any) -> C
 
     Raises:
         ValueError: an unknown backend name.
-        RuntimeError: the backend cannot run here (the message says what is missing).
+        UsageError: the backend cannot run here (the message says what is missing).
     """
     if backend == "mpi":
         from meta_dist.comm.mpi_backend import MpiCommunicator

@@ -16,6 +16,7 @@ from typing import Any
 
 from meta_dist.comm.base import Communicator
 from meta_dist.connector import MPIConnector
+from meta_dist.errors import UsageError
 from meta_dist.watchdog import DEFAULT_STALL_TIMEOUT_S, StallWatchdog, resolve_stall_timeout
 from meta_dist.xp import is_cupy_array, select_device
 
@@ -213,8 +214,9 @@ class NcclCommunicator(Communicator):
         **kwargs: ``check`` and ``stall_timeout``, see ``Communicator``.
 
     Raises:
-        RuntimeError: on every rank, before any NCCL call, when some rank cannot run NCCL;
-            the message names those ranks and what is missing.
+        UsageError: on every rank, before any NCCL call, when some rank cannot run NCCL (no
+            cupy, no GPU, two ranks on one GPU: the environment's to mend); the message names
+            those ranks and what is missing.
     """
 
     backend_name = "nccl"
@@ -223,7 +225,7 @@ class NcclCommunicator(Communicator):
         self.device, problems = gpu_survey(connector)
         message = ranks_problem("make_communicator('nccl')", problems)
         if message is not None:
-            raise RuntimeError(message)
+            raise UsageError(message)
         import cupy
         from cupy.cuda import nccl
 

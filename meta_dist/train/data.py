@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from meta_dist.errors import UsageError
+
 
 def synthetic_classification(num_samples: int, input_shape: tuple[int, ...], num_classes: int,
                              seed: int, dtype: str = "float32",
@@ -48,32 +50,64 @@ def load_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     Nothing in a data file is ever executed: arrays of Python objects (pickles) are refused.
 
     Raises:
-        ValueError: the file is not an .npz (a .npy, text, a damaged archive), lacks ``x`` or
-            ``y``, holds Python objects, or its lengths differ; the message names the file.
+        UsageError: the file is missing or not an .npz (a .npy, text, a damaged archive), lacks
+            ``x`` or ``y``, holds Python objects, or its lengths differ; the message names the
+            file.
     """
+    if not Path(path).is_file():
+        raise UsageError(f"{path}: no such file (looked in {Path.cwd()}); expected an .npz "
+                         f"archive with arrays x and y: {SAVE_HINT}")
     try:
         data = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:  # text, damaged
-        raise ValueError(f"{path}: not a readable .npz file ({error}); expected an .npz "
+        raise UsageError(f"{path}: not a readable .npz file ({error}); expected an .npz "
                          f"archive with arrays x and y: {SAVE_HINT}") from None
     if not isinstance(data, np.lib.npyio.NpzFile):
-        raise ValueError(f"{path}: holds one array (a .npy file); expected an .npz archive "
+        raise UsageError(f"{path}: holds one array (a .npy file); expected an .npz archive "
                          f"with arrays x (inputs) and y (labels): {SAVE_HINT}")
     with data:
         missing = [k for k in ("x", "y") if k not in data.files]
         if missing:
-            raise ValueError(f"{path}: missing array(s) {missing}; got {data.files}, expected "
+            raise UsageError(f"{path}: missing array(s) {missing}; got {data.files}, expected "
                              "arrays named 'x' (inputs) and 'y' (integer labels)")
         try:
             x, y = data["x"], data["y"]
         except ValueError as error:  # object arrays: unpickling could run code
-            raise ValueError(f"{path}: an array holds Python objects ({error}); data files are "
+            raise UsageError(f"{path}: an array holds Python objects ({error}); data files are "
                              f"read without unpickling, which could run code: {SAVE_HINT}"
                              ) from None
     if len(x) != len(y) or y.ndim != 1 or y.dtype.kind not in "iu":
-        raise ValueError(f"{path}: x has {len(x)} samples and y has shape {y.shape}, dtype "
+        raise UsageError(f"{path}: x has {len(x)} samples and y has shape {y.shape}, dtype "
                          f"{y.dtype}; expected y of shape ({len(x)},) with integer labels")
     return x, y.astype(np.int64)
+
+
+def check_samples(x: np.ndarray, y: np.ndarray, input_shape: tuple[int, ...], num_classes: int,
+                  batch_size: int, source: str) -> None:
+    """Raise UsageError unless (x, y) fit a model of ``input_shape`` and ``num_classes``.
+
+    ``source`` names where the data came from (a file); the message names the config key that
+    must change (``input_shape``, ``num_classes``, ``batch_size``) and its value.
+
+    Raises:
+        UsageError: samples of another shape, a label outside [0, num_classes), or fewer samples
+            than one global batch.
+    """
+    if tuple(x.shape[1:]) != tuple(input_shape):
+        raise UsageError(
+            f"{source}: samples of shape {tuple(x.shape[1:])}; the model takes "
+            f"train_config.input_shape {list(input_shape)}; set input_shape: "
+            f"{list(x.shape[1:])} (in the config or as input_shape=...) or reshape the data")
+    if len(y) and (y.min() < 0 or y.max() >= num_classes):
+        bad = int(y.max()) if y.max() >= num_classes else int(y.min())
+        raise UsageError(
+            f"{source}: label {bad} is outside 0..{num_classes - 1} (train_config.num_classes "
+            f"{num_classes}); set num_classes: {max(int(y.max()) + 1, 2)} or fix the labels")
+    if len(x) < batch_size:
+        raise UsageError(
+            f"{source}: {len(x)} samples, fewer than one global batch (train_config.batch_size "
+            f"{batch_size}); set batch_size to at most {len(x)} (a multiple of the ranks) or "
+            "give more samples")
 
 
 DIGITS = Path(__file__).with_name("digits.csv.gz")

@@ -22,6 +22,7 @@ import meta_dist.failfast as failfast
 from meta_dist import checkpoint
 from meta_dist import distributed as dist
 from meta_dist.config import Config, check_same_everywhere, check_world
+from meta_dist.errors import UsageError
 from meta_dist.nn.losses import softmax_cross_entropy
 from meta_dist.nn.model import Sequential
 from meta_dist.optim import make_optimizer
@@ -273,7 +274,7 @@ class Trainer:
         before the first step, every ``eval_every`` steps and after the last.
 
         Raises:
-            ValueError: the warmup is longer than the run.
+            UsageError: the warmup is longer than the run.
             CheckpointError: the checkpoint to resume from cannot be used.
             TrainingStopped: on every rank after the step at which some rank caught SIGTERM
                 or SIGINT (a checkpoint written first where ``checkpoint_dir`` is set); it
@@ -286,15 +287,22 @@ class Trainer:
         self.total_steps = tcfg.max_steps or tcfg.n_epoch * sampler.steps_per_epoch
         if tcfg.warmup_steps > self.total_steps:
             where = self.config.sources.get("train_config.warmup_steps", "code")
-            raise ValueError(
+            run = (f"max_steps={tcfg.max_steps}" if tcfg.max_steps else
+                   f"n_epoch={tcfg.n_epoch} x {sampler.steps_per_epoch} steps")
+            raise UsageError(
                 f"fit: train_config.warmup_steps is longer than the run (set in {where}); got "
                 f"warmup_steps={tcfg.warmup_steps}, expected at most {self.total_steps} "
-                f"({tcfg.n_epoch} epochs x {sampler.steps_per_epoch} steps); shorten the "
-                "warmup or train longer")
+                f"({run}); shorten the warmup or train longer")
         first_epoch, skip = 0, 0
         if tcfg.resume_from is not None:
             path = tcfg.checkpoint_dir if tcfg.resume_from == "latest" else tcfg.resume_from
-            first_epoch, skip = self.load_checkpoint(path)
+            try:
+                first_epoch, skip = self.load_checkpoint(path)
+            except checkpoint.CheckpointError as error:  # say which key led there
+                where = self.config.sources.get("train_config.resume_from", "code")
+                raise checkpoint.CheckpointError(
+                    f"train_config.resume_from {tcfg.resume_from!r} (set in {where}): {error}"
+                ) from None
             if skip >= sampler.steps_per_epoch:  # saved at an epoch's end: the next one
                 first_epoch, skip = first_epoch + 1, 0
         self.model.train()

@@ -19,7 +19,7 @@ from meta_dist.config import check_world, format_config, load_config, parse_cli
 from meta_dist.nn.layers import AvgPool2d, BatchNorm, Conv2d, Flatten, Linear, Sigmoid
 from meta_dist.nn.model import Sequential
 from meta_dist.train import Trainer, array_module_for, load_npz, synthetic_classification
-from meta_dist.train.data import held_out, load_digits
+from meta_dist.train.data import check_samples, held_out, load_digits
 from meta_dist.xp import to_numpy
 
 train_config = {
@@ -52,7 +52,10 @@ def load_data(config):
     """Return (x, y) to train on and (x, y) held out (None for a user's .npz: all trains)."""
     tcfg, seed = config.train, config.dist.seed
     if tcfg.data_path:
-        return (*load_npz(tcfg.data_path), None, None)
+        x, y = load_npz(tcfg.data_path)
+        check_samples(x, y, tcfg.input_shape, tcfg.num_classes, tcfg.batch_size,
+                      f"train_config.data_path {tcfg.data_path}")
+        return x, y, None, None
     if tcfg.dataset == "digits":
         x, y = load_digits()
         x = x.astype(tcfg.dtype)
@@ -87,26 +90,12 @@ class Accuracy:
                   f"after step {step}", flush=True)
 
 
-def fail_once(error):
-    """Print a configuration error once (rank 0), end every rank alike, and return 2."""
-    context = dist.get_context()  # every rank hit the same error: they leave together
-    if context.rank == context.root_rank:
-        print(f"dist_example: {error}", file=sys.stderr, flush=True)
-    dist.shutdown()
-    return 2
-
-
 def main(argv):
-    try:
-        config = load_config(train_config, meta_dist_config,
-                             *parse_cli(argv, train_config, meta_dist_config))
-    except (ValueError, TypeError) as error:  # every rank sees the same error
-        return fail_once(error)
+    # a mistake in the config raises UsageError: one message for the job (meta_dist.failfast)
+    config = load_config(train_config, meta_dist_config,
+                         *parse_cli(argv, train_config, meta_dist_config))
     dctx = dist.init(backend=config.dist.backend)
-    try:
-        check_world(config, dctx.size)
-    except (ValueError, TypeError) as error:
-        return fail_once(error)
+    check_world(config, dctx.size)
     hosts = dctx.connector.allgather(dctx.connector.host)
     if dctx.rank == dctx.root_rank:
         print(f"{dctx.size} rank(s) on {len(set(hosts))} node(s); "

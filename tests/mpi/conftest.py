@@ -1,7 +1,8 @@
 """Harness for the multi-rank tests, which run inside ``mpirun ... python -m mpi4py -m pytest``.
 
-1. A failed test on any rank prints ``[rank r] FAILED <test>`` with its traceback and aborts the
-   job (the peers would otherwise wait forever in their next collective).
+1. A failed test on any rank prints ``[rank r] FAILED <test>`` with its traceback; the ranks
+   then agree on it and go on to the next test, or, when the failed rank's peers are still
+   waiting inside the test, the job ends (tests/mpi_harness.py).
 2. pytest's faulthandler_timeout (pyproject.toml) dumps every thread and exits on a deadlock.
 3. ``python -m mpi4py`` turns any other uncaught error into MPI_Abort.
 Skips depend only on the world size, so every rank collects and runs the same tests.
@@ -15,6 +16,8 @@ from meta_dist import MPIConnector, make_communicator
 from mpi_harness import (  # noqa: F401 - registers the shared hooks here
     pytest_collection_modifyitems,
     pytest_runtest_logreport,
+    pytest_runtest_protocol,
+    pytest_sessionfinish,
 )
 
 

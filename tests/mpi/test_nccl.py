@@ -14,6 +14,7 @@ from conftest import same_on_every_rank
 from test_collectives import DTYPES, LENGTHS, OPS, assert_matches, rank_input, reference, valid
 
 from meta_dist import make_communicator
+from meta_dist.errors import UsageError
 from meta_dist.comm import nccl_backend
 from meta_dist.comm.nccl_backend import (
     MULTI_RANK_GPU_VERSION,
@@ -90,7 +91,7 @@ def test_make_communicator_fails_on_every_rank_without_nccl(connector):
     reasons = connector.allgather(nccl_unavailable_reason())
     if not any(reasons):
         pytest.skip("every rank can run NCCL here")
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(UsageError) as err:
         make_communicator("nccl", connector)
     message = str(err.value)
     missing = sum(r is not None for r in reasons)
@@ -107,7 +108,7 @@ def test_one_rank_without_nccl_fails_every_rank(connector, monkeypatch):
     if connector.rank == last:
         monkeypatch.setattr(nccl_backend, "nccl_unavailable_reason",
                             lambda: "simulated: no GPU on this rank")
-    with pytest.raises(RuntimeError, match=f"rank {last}: simulated: no GPU on this rank"):
+    with pytest.raises(UsageError, match=f"rank {last}: simulated: no GPU on this rank"):
         make_communicator("nccl", connector)
     assert connector.allgather("alive") == ["alive"] * connector.size
 
@@ -135,7 +136,7 @@ def test_auto_uses_mpi_where_ranks_share_a_gpu(connector, cp):
             range(world.size)), np.float64))
         assert world.device_route(comm).startswith(
             "GPU collectives: MPI, staged through host memory (backend auto: NCCL cannot run")
-        with pytest.raises(RuntimeError, match="share GPU .* start one rank per GPU"):
+        with pytest.raises(UsageError, match="share GPU .* start one rank per GPU"):
             make_communicator("nccl", connector)
     finally:
         world.close()

@@ -17,6 +17,7 @@ from meta_dist.config import (
     load_config,
     parse_cli,
 )
+from meta_dist.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -252,7 +253,7 @@ def test_unknown_override_keys():
 def test_wrong_type_from_yaml(tmp_path, section, key, value, expected):
     path = write(tmp_path, yaml.safe_dump({section: {key: value}}))
     raises(
-        TypeError,
+        UsageError,
         lambda: load_config(path=path),
         path,
         f"{section}.{key}",
@@ -263,7 +264,7 @@ def test_wrong_type_from_yaml(tmp_path, section, key, value, expected):
 
 def test_wrong_type_names_allowed_values_and_source():
     raises(
-        TypeError,
+        UsageError,
         lambda: load_config(overrides=["zero_opt_level=true"]),
         "command line",
         "meta_dist_config.zero_opt_level",
@@ -272,7 +273,7 @@ def test_wrong_type_names_allowed_values_and_source():
         "one of 0, 1, 2",
     )
     raises(
-        TypeError,
+        UsageError,
         lambda: load_config(meta_dist_config={"overlap_comm": 0}),
         "script dict",
         "meta_dist_config.overlap_comm",
@@ -283,7 +284,7 @@ def test_wrong_type_names_allowed_values_and_source():
 
 def test_ints_accepted_for_floats_and_inf_rejected():
     assert load_config(train_config={"lr": 1, "weight_decay": 0}).train.lr == 1.0
-    raises(TypeError, lambda: load_config(overrides=["lr=.inf"]), "train_config.lr", "inf")
+    raises(UsageError, lambda: load_config(overrides=["lr=.inf"]), "train_config.lr", "inf")
 
 
 def test_script_dict_must_be_a_dict():
