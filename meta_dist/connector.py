@@ -1,6 +1,6 @@
 """MPIConnector: the MPI world of this job (who am I, how many are we, on which node).
 
-Imports mpi4py, meta_dist.failfast and meta_dist.errors only; everything else in meta_dist that needs to know about
+Imports mpi4py, meta_dist.failfast, meta_dist.blas_threads and meta_dist.errors only; everything else in meta_dist that needs to know about
 ranks asks a connector. The connector also installs the failure policy (``failfast``): a rank
 that raises or exits with an error ends the whole job, so no peer is left waiting in a
 collective.
@@ -16,6 +16,7 @@ from typing import Any
 from meta_dist.lazy_mpi import MPI
 
 import meta_dist.failfast as failfast
+import meta_dist.blas_threads as blas_threads
 from meta_dist.errors import UsageError
 
 ROOT_RANK = 0
@@ -48,6 +49,7 @@ class MPIConnector:
         self._local_size = self._node_comm.Get_size()
         if comm is None:
             _check_launcher(self._size)
+            blas_threads.share_cores(self._local_size)  # ranks on one node share its cores
         if abort_on_exception and self._size > 1:
             failfast.install()
             failfast.track(self)

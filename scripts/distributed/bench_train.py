@@ -1,4 +1,4 @@
-"""Training benchmark: DESIGN.md's reference MLP, or a GPT, at ZeRO levels 0-3 (and PyTorch).
+"""Training benchmark: the reference MLP, or a GPT, at ZeRO levels 0-3 (and PyTorch).
 
     mpirun -np 2 [--bind-to core] python scripts/distributed/bench_train.py [--levels 0,1,2,3]
         [--steps 30] [--warmup 5] [--blocks 5] [--overlap | --no-overlap] [--bucket-mb 25]
@@ -18,7 +18,7 @@ each GPT block, its own FSDP unit, as meta_dist's level 3 gathers layer by layer
 workload in the same run; torch.distributed gets MPI's rank and size and a
 MASTER_PORT that rank 0 picks and broadcasts. "MiB/step" is what a meta_dist rank asked its
 communicator to move per step (``Communicator.traffic``: the bus bytes of NCCL's formulas), so
-the levels' communication volumes compare (DESIGN.md: levels 1 and 2 equal DP's, level 3 1.5x).
+the levels' communication volumes compare (levels 1 and 2 move DP's bytes, level 3 1.5 times as many).
 
 Fairness: numpy's BLAS and torch both use ONE thread per rank: OMP_NUM_THREADS,
 OPENBLAS_NUM_THREADS and MKL_NUM_THREADS are set to 1 at the top of this file, before numpy is

@@ -263,8 +263,23 @@ def test_send_recv_fused_list(comm):
         np.testing.assert_array_equal(b, np.ones((2, 2)))
 
 
-def test_barrier(comm):
-    comm.barrier()
+def left_before_the_last_arrived(barrier, rank, size, allgather) -> list[int]:
+    """Call ``barrier`` with the last rank 0.3 s late; return the ranks that left it before the
+    last rank entered (one host: one clock)."""
+    if rank == size - 1:
+        time.sleep(0.3)
+    entered = time.time()
+    barrier()
+    left = time.time()
+    last_entered = allgather(entered)[-1]
+    return [r for r, t in enumerate(allgather(left)) if t < last_entered]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_barrier(comm, connector):
+    """No rank leaves the barrier before the last one has entered it (a planted delay)."""
+    early = left_before_the_last_arrived(comm.barrier, comm.rank, comm.size, connector.allgather)
+    assert early == [], f"ranks {early} left the barrier before the last rank entered"
 
 
 @pytest.mark.mpi(min_size=2)

@@ -4,6 +4,7 @@ import os
 
 import numpy as np
 import pytest
+from test_collectives import left_before_the_last_arrived
 
 import meta_dist
 from meta_dist import distributed as dist
@@ -27,11 +28,17 @@ def test_rank_size_local(connector):
     assert connector.allgather(connector.rank) == list(range(connector.size))
 
 
+@pytest.mark.mpi(min_size=2)
+def test_barrier_waits_for_the_last_rank(connector):
+    early = left_before_the_last_arrived(connector.barrier, connector.rank, connector.size,
+                                         connector.allgather)
+    assert early == [], f"ranks {early} left the barrier before the last rank entered"
+
+
 def test_broadcast_objects(connector):
     for root in range(connector.size):
         got = connector.broadcast({"from": connector.rank, "x": [1, 2]}, root=root)
         assert got == {"from": root, "x": [1, 2]}
-    connector.barrier()
     with pytest.raises(ValueError, match="root out of range; got 99"):
         connector.broadcast(1, root=99)
 

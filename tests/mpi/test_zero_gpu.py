@@ -64,7 +64,9 @@ def test_gpu_training_matches_cpu(connector, gpu, backend, level):  # noqa: F811
                 np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=1e-9, atol=1e-12,
                                            err_msg=f"{name} after step {step + 1}")
         report = on_gpu.memory_report()
-        assert report["peak"] > 0
+        # measured (the allocator's bytes) against accounted: the GPU holds at least the state
+        held = sum(report[k] for k in ("params", "grads", "optimizer", "buffers"))
+        assert report["peak"] >= held, report
         if level == 3 and world.size > 1:  # only this rank's shard of the parameters
             assert report["params"] < sum(a.nbytes for a in ref.parameters().values())
     finally:
