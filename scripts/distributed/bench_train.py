@@ -18,7 +18,8 @@ each GPT block, its own FSDP unit, as meta_dist's level 3 gathers layer by layer
 workload in the same run; torch.distributed gets MPI's rank and size and a
 MASTER_PORT that rank 0 picks and broadcasts. "MiB/step" is what a meta_dist rank asked its
 communicator to move per step (``Communicator.traffic``: the bus bytes of NCCL's formulas), so
-the levels' communication volumes compare (levels 1 and 2 move DP's bytes, level 3 1.5 times as many).
+the levels' communication volumes compare (levels 1 and 2 move DP's bytes, level 3 1.5 times as
+many).
 
 Fairness: numpy's BLAS and torch both use ONE thread per rank: OMP_NUM_THREADS,
 OPENBLAS_NUM_THREADS and MKL_NUM_THREADS are set to 1 at the top of this file, before numpy is

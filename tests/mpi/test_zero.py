@@ -571,6 +571,29 @@ def test_mixed_precision_levels_agree_and_learn(contexts, precision):
         np.testing.assert_allclose(history[level], history[0], rtol=2e-2)
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_gpt_in_mixed_precision_learns_alike_at_every_level(contexts, precision):
+    """The tied GPT with 16-bit parameters and float32 master weights: every level learns,
+    the replicas stay identical, and the levels' losses agree to 16-bit rounding."""
+    if precision == "bf16":
+        pytest.importorskip("ml_dtypes", reason="bf16 on the CPU needs ml_dtypes")
+    world, _ = contexts
+    vocab, block = 11, 6
+    x = np.random.default_rng(0).integers(0, vocab, (STEPS * GLOBAL_BATCH, block))
+    y = (x + 1) % vocab  # learnable from the current token (a causal model sees no later one)
+    history = {}
+    for level in (0, 1, 2, 3):
+        trainer = Trainer(gpt(vocab, block, 2, 2, 8, dtype=np.float32, seed=1),
+                          half_config(level, precision), context=world,
+                          loss_fn=cross_entropy_tokens, log=None)
+        assert trainer.stage.full_params().dtype.itemsize == 2
+        history[level] = trainer.fit(x, y)
+        assert same_on_every_rank(world.connector, trainer.stage.full_params())
+    assert history[0][-1] < history[0][0] - 0.1  # it learns
+    for level in (1, 2, 3):
+        np.testing.assert_allclose(history[level], history[0], rtol=2e-2)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_fp16_overflow_skips_the_same_step_on_every_rank(contexts):
     """A huge input row on the last rank overflows fp16 there only: every rank skips that

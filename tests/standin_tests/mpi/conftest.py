@@ -1,7 +1,8 @@
 """Harness of the stand-in's multi-rank tests; they run only under mpirun (test_standin_suite).
 
 As tests/mpi/conftest.py: a failed test on any rank prints ``[rank r] FAILED <test>``, and the
-ranks go on where they can (tests/mpi_harness.py); skips depend on the world size only (``@pytest.mark.mpi(min_size=n)``), so every rank runs the same tests.
+ranks go on where they can (tests/mpi_harness.py); skips depend on the world size only
+(``@pytest.mark.mpi(min_size=n)``), so every rank runs the same tests.
 """
 
 import pytest
