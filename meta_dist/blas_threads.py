@@ -3,8 +3,7 @@
 Leaf module: standard library only. numpy's OpenBLAS starts one thread per core in every
 process; with several ranks on a node and no binding (Open MPI binds only while ranks <= cores;
 MPICH's Hydra does not bind by default) each rank's threads then spin against the others' for
-the same cores, and a step that should take milliseconds waits for time slices (the GPT
-example ran 25 times slower on 2 ranks of a 2-core machine unbound than bound). So each rank
+the same cores, and a step that should take milliseconds waits for time slices. So each rank
 keeps ``cores it may run on // ranks on its node`` threads (at least one), unless the user chose
 (OMP_NUM_THREADS, OPENBLAS_NUM_THREADS or MKL_NUM_THREADS set), or the launcher bound the rank
 to its own cores (its affinity mask then already leaves BLAS that many). numpy reads those

@@ -191,7 +191,7 @@ class StallWatchdog:
             elif overdue and time.monotonic() - self._handover[1] > HANDOVER_S:
                 self._report(stalled, alone=True)  # the rank it was handed to did not end it
             del stalled  # it holds the call's arrays: keeping them to the next poll would
-            # hold a freed temporary for 0.25 s (test_memory saw +25 to +49 MiB peaks)
+            # hold a freed temporary for 0.25 s (tests/test_memory.py saw the peaks it added)
 
     def _stalled(self) -> tuple | None:
         """Return the oldest unfinished operation of this rank (a probe's too), or None."""

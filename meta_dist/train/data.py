@@ -57,9 +57,15 @@ def load_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     if not Path(path).is_file():
         raise UsageError(f"{path}: no such file (looked in {Path.cwd()}); expected an .npz "
                          f"archive with arrays x and y: {SAVE_HINT}")
+    with Path(path).open("rb") as file:
+        head = file.read(16)
+    if not head.startswith((b"PK", b"\x93NUMPY")):  # numpy would take it for a pickle
+        raise UsageError(f"{path}: not a readable .npz file (it starts with {head!r}: neither "
+                         "a zip archive, as .npz files are, nor a .npy file); expected an .npz "
+                         f"archive with arrays x and y: {SAVE_HINT}")
     try:
         data = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:  # text, damaged
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:  # a damaged archive
         raise UsageError(f"{path}: not a readable .npz file ({error}); expected an .npz "
                          f"archive with arrays x and y: {SAVE_HINT}") from None
     if not isinstance(data, np.lib.npyio.NpzFile):

@@ -109,13 +109,23 @@ class ZeroStage:
         grads = self.flat_grads[bucket.whole]
         grads += staging[: bucket.padded_size]
 
+    def _run(self, collective: str, *args: Any, **kwargs: Any) -> Handle | None:
+        """Run ``collective`` of the communicator: on its communication thread with overlap
+        (return the handle), else now (return None). The one place overlap picks the call."""
+        if self.overlap:
+            return getattr(self.comm, f"{collective}_async")(*args, **kwargs)
+        getattr(self.comm, collective)(*args, **kwargs)
+        return None
+
+    def _two_buffers(self) -> bool:
+        """Whether to double-buffer (staging, gathers): with overlap and more than one bucket,
+        one buffer fills while the other is in flight."""
+        return self.overlap and len(self.flat.buckets) > 1
+
     def _reduce_bucket(self, bucket: Bucket) -> Handle | None:
         """Average one bucket's gradients across ranks (allreduce, in place)."""
         grads = self.flat_grads[bucket.whole]
-        if self.overlap:
-            return self.comm.allreduce_async(grads, "avg", out=grads)
-        self.comm.allreduce(grads, "avg", out=grads)
-        return None
+        return self._run("allreduce", grads, "avg", out=grads)
 
     def _reduce_all(self) -> None:
         """Average every bucket at once (one collective), when backward did not stream them."""
@@ -211,7 +221,7 @@ class ZeroStage:
         """How many staging buffers: none when every backward writes straight into the grads."""
         if self.accumulate == 1:
             return 0
-        return 2 if self.overlap and len(self.flat.buckets) > 1 else 1
+        return 2 if self._two_buffers() else 1
 
     def _make_staging(self) -> None:
         """Create the staging pool (two with overlap: one fills while the other is reduced)."""
@@ -408,11 +418,8 @@ class ZeroStage1(ZeroStage0):
     def _reduce_bucket(self, bucket: Bucket) -> Handle | None:
         """Average one bucket into this rank's shard of it (the rest is not read again)."""
         grads = self.flat_grads
-        if self.overlap:
-            return self.comm.reduce_scatter_async(grads[bucket.whole], "avg",
-                                                  out=grads[bucket.shard(self.rank)])
-        self.comm.reduce_scatter(grads[bucket.whole], "avg", out=grads[bucket.shard(self.rank)])
-        return None
+        return self._run("reduce_scatter", grads[bucket.whole], "avg",
+                         out=grads[bucket.shard(self.rank)])
 
     def _reduce_all(self) -> None:
         """One in-place reduce-scatter per bucket (a fused list would pack a full-size copy)."""
@@ -465,7 +472,7 @@ class ZeroStage2(ZeroStage1):
     def _staging_buffers(self) -> int:
         if self._staging_is_shard():
             return 0
-        return 2 if self.overlap and len(self.flat.buckets) > 1 else 1
+        return 2 if self._two_buffers() else 1
 
     def _staging_is_shard(self) -> bool:
         return self.comm.size == 1 and self.accumulate == 1
@@ -500,14 +507,10 @@ class ZeroStage2(ZeroStage1):
         if not last:
             self._release(bucket)
             return
-        out = self._grad_shard(bucket)
-        if self.overlap:
-            handle = self.comm.reduce_scatter_async(staging, "avg", out=out)
+        handle = self._run("reduce_scatter", staging, "avg", out=self._grad_shard(bucket))
+        if handle is not None:
             self._pending.append(handle)
-            self._release(bucket, handle)
-        else:
-            self.comm.reduce_scatter(staging, "avg", out=out)
-            self._release(bucket)
+        self._release(bucket, handle)
 
     def memory_report(self) -> dict[str, int]:
         """See ``ZeroStage.memory_report``; a local accumulation gradient counts as buffers."""
@@ -654,10 +657,9 @@ class ZeroStage3(ZeroStage2):
         handles = []
         for bucket in self.groups[group]["buckets"]:
             out, send = gather[bucket.start - base : bucket.stop - base], self._param_shard(bucket)
-            if self.overlap:
-                handles.append(self.comm.allgather_async(send, out=out))
-            else:
-                self.comm.allgather(send, out=out)
+            handle = self._run("allgather", send, out=out)
+            if handle is not None:
+                handles.append(handle)
         self._arriving[which] = handles
         self._held[which] = self._held[which] | {group} if self.keep else {group}
         return which

@@ -20,7 +20,7 @@ shown is the MAXIMUM OVER RANKS of each rank's median. --check-cost also times, 
 size, a communicator with check=False beside the default one, in the same process.
 
 On a busy machine pass ``--bind-to core`` (Open MPI): unbound, the scheduler can stack
-both ranks on one core, and then every exchange waits a whole time slice (6-24 ms).
+both ranks on one core, and then every exchange waits a whole time slice.
 """
 
 import argparse

@@ -21,7 +21,7 @@ starts (no cross-rank shape check per call). Rank 0 prints a table and a summary
 speedup of (b) over (a).
 
 On a busy machine pass ``--bind-to core`` (Open MPI): unbound, the scheduler can stack
-both ranks on one core, and then every exchange waits a whole time slice (6-24 ms).
+both ranks on one core, and then every exchange waits a whole time slice.
 """
 
 import argparse

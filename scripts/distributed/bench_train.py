@@ -34,7 +34,7 @@ reuses freed memory); for clean per-level numbers run one level per process, e.g
 (--levels '' --torch runs PyTorch alone).
 
 On a busy machine pass ``--bind-to core`` (Open MPI): unbound, the scheduler can stack
-both ranks on one core, and then every exchange waits a whole time slice (6-24 ms).
+both ranks on one core, and then every exchange waits a whole time slice.
 """
 
 import os
