@@ -16,6 +16,7 @@ import numpy as np
 
 from meta_dist import distributed as dist
 from meta_dist.config import check_world, format_config, load_config, parse_cli
+from meta_dist.errors import UsageError
 from meta_dist.nn.layers import AvgPool2d, BatchNorm, Conv2d, Flatten, Linear, Sigmoid
 from meta_dist.nn.model import Sequential
 from meta_dist.train import Trainer, array_module_for, load_npz, synthetic_classification
@@ -52,9 +53,13 @@ def load_data(config):
     """Return (x, y) to train on and (x, y) held out (None for a user's .npz: all trains)."""
     tcfg, seed = config.train, config.dist.seed
     if tcfg.data_path:
-        x, y = load_npz(tcfg.data_path)
+        where = f"train_config.data_path (set in {config.sources['train_config.data_path']})"
+        try:
+            x, y = load_npz(tcfg.data_path)
+        except UsageError as error:  # the file's own message, and the key that named it
+            raise UsageError(f"{where}: {error}") from None
         check_samples(x, y, tcfg.input_shape, tcfg.num_classes, tcfg.batch_size,
-                      f"train_config.data_path {tcfg.data_path}")
+                      f"{where} {tcfg.data_path}")
         return x, y, None, None
     if tcfg.dataset == "digits":
         x, y = load_digits()
