@@ -1,0 +1,23 @@
+"""``python -m meta_dist COMMAND``: the project's operations commands.
+
+    mpirun -np N python -m meta_dist doctor    what each rank sees; checks of the launch
+"""
+
+import sys
+
+USAGE = "usage: python -m meta_dist doctor   (under mpirun: mpirun -np N python -m meta_dist doctor)"
+
+
+def main(argv: list[str]) -> int:
+    """Run the command ``argv[0]`` names; print the usage and return 2 for any other."""
+    if argv[:1] == ["doctor"]:
+        from meta_dist.doctor import main as doctor
+
+        return doctor(argv[1:])
+    print(USAGE if not argv or argv[0] in ("-h", "--help") else
+          f"python -m meta_dist: unknown command {argv[0]!r}; {USAGE}", file=sys.stderr)
+    return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
