@@ -5,7 +5,8 @@
 
 import sys
 
-USAGE = "usage: python -m meta_dist doctor   (under mpirun: mpirun -np N python -m meta_dist doctor)"
+USAGE = ("usage: python -m meta_dist doctor   "
+         "(under mpirun: mpirun -np N python -m meta_dist doctor)")
 
 
 def main(argv: list[str]) -> int:
