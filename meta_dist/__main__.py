@@ -1,12 +1,14 @@
 """``python -m meta_dist COMMAND``: the project's operations commands.
 
     mpirun -np N python -m meta_dist doctor    what each rank sees; checks of the launch
+    python -m meta_dist trace merge DIR OUT.json    the ranks' traces (meta_dist_config.trace)
+                                                    in one file, a track per rank
 """
 
 import sys
 
-USAGE = ("usage: python -m meta_dist doctor   "
-         "(under mpirun: mpirun -np N python -m meta_dist doctor)")
+USAGE = ("usage: python -m meta_dist doctor   (under mpirun: mpirun -np N python -m "
+         "meta_dist doctor), or python -m meta_dist trace merge DIR OUT.json")
 
 
 def main(argv: list[str]) -> int:
@@ -15,6 +17,10 @@ def main(argv: list[str]) -> int:
         from meta_dist.doctor import main as doctor
 
         return doctor(argv[1:])
+    if argv[:1] == ["trace"]:
+        from meta_dist.trace import cli
+
+        return cli(argv[1:])
     print(USAGE if not argv or argv[0] in ("-h", "--help") else
           f"python -m meta_dist: unknown command {argv[0]!r}; {USAGE}", file=sys.stderr)
     return 0 if argv[:1] in (["-h"], ["--help"]) else 2

@@ -99,6 +99,9 @@ class DistConfig(_Validated):
         stall_timeout: Seconds a collective may wait for the other ranks; past it the lowest
             waiting rank prints which ranks did not arrive and what they were doing, and the
             job ends (0: wait forever). META_DIST_STALL_TIMEOUT overrides it.
+        trace: A folder: each rank writes there a Chrome trace (Perfetto) of its phases and
+            communication, ``trace-rank{R}.json``, when fit ends (``meta_dist.trace``; ``python
+            -m meta_dist trace merge DIR OUT.json`` joins them); null records nothing.
     """
 
     enable_data_parallel: bool = True
@@ -112,6 +115,7 @@ class DistConfig(_Validated):
     nonfinite: str = _choice("stop", "skip", "ignore")
     max_skipped_steps: int = _rule(10, ">= 1", lambda v: v >= 1)
     stall_timeout: float = _rule(300.0, ">= 0 (0: no limit)", lambda v: v >= 0)
+    trace: str | None = None
 
     @staticmethod
     def _check_together(values: dict[str, Any], where: Callable[..., str]) -> None:

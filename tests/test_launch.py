@@ -1,8 +1,11 @@
 """Whole jobs under real mpirun: the examples, hostfiles, and what happens when a rank fails."""
 
+import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -366,3 +369,31 @@ def test_ranks_on_one_node_share_its_cores_between_their_blas_threads(user):
     for threads, cores in rows:
         expected = int(user) if user else max(1, int(cores) // 2)
         assert int(threads) == expected, str(result)
+
+
+def test_a_trace_shows_every_ranks_phases_and_collectives(tmp_path):
+    """meta_dist_config.trace: each rank writes its Chrome trace when fit ends; ``python -m
+    meta_dist trace merge`` joins them with one track per rank."""
+    folder = tmp_path / "trace"
+    result = run(2, ["scripts/distributed/dist_example.py", "n_epoch=1", "n_mini_batch=3",
+                     "zero_opt_level=2", f"trace={folder}"], timeout=120)
+    assert result.returncode == 0, str(result)
+    assert sorted(p.name for p in folder.iterdir()) == ["trace-rank00000.json",
+                                                        "trace-rank00001.json"]
+    merged = tmp_path / "all.json"
+    done = subprocess.run([sys.executable, "-m", "meta_dist", "trace", "merge", str(folder),
+                           str(merged)], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    events = json.loads(merged.read_text())["traceEvents"]
+    tracks = sorted(e["args"]["name"] for e in events if e["name"] == "process_name")
+    assert [re.sub(r" \(.+\)$", "", t) for t in tracks] == ["rank 0", "rank 1"], tracks
+    for rank in (0, 1):
+        spans = [e for e in events if e["ph"] == "X" and e["pid"] == rank]
+        for phase in ("forward", "backward", "step"):
+            assert sum(e["name"] == phase for e in spans) == 3, (rank, phase)
+        scatters = [e for e in spans if e["name"] == "reduce_scatter"]
+        assert scatters and all(e["args"]["bytes"] > 0 and e["dur"] >= 0 for e in scatters)
+        steps = [e for e in spans if e["name"] == "step"]
+        assert all(steps[i]["ts"] < steps[i + 1]["ts"] for i in range(2))
+

@@ -234,6 +234,11 @@ class Communicator(ABC):
         if self.size > 1 and not self.check:
             self._threads.run(self._consistency.settle, "verify_calls")
 
+    def set_trace(self, trace: Any) -> None:
+        """Record every operation from now on in ``trace`` (a ``meta_dist.trace.Trace``; None
+        stops recording)."""
+        self._threads.trace = trace
+
     def close(self) -> None:
         """Finish pending asynchronous work and release buffers; later calls raise RuntimeError."""
         if self.closed:

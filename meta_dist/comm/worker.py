@@ -79,6 +79,7 @@ class CommThreads:
 
     def __init__(self, watchdog: Any, on_start: Callable[[], None]) -> None:
         self.watchdog, self._on_start = watchdog, on_start
+        self.trace: Any = None  # a meta_dist.trace.Trace that records every operation
         self._collectives = OrderedWorker(on_start)
         self._p2p: dict[tuple[str, int], OrderedWorker] = {}  # (send|recv, peer) -> thread
 
@@ -93,7 +94,8 @@ class CommThreads:
         worker = self._collectives if peer is None else self._p2p.get((api, peer))
         if worker is not None and not worker.idle():
             return worker.submit(self._watched(call, api, peer, arrays), after).wait()
-        watchdog = self.watchdog
+        watchdog, trace = self.watchdog, self.trace
+        start = trace.begin() if trace is not None else 0.0
         if watchdog is not None:  # as _watched does, without a closure: every blocking call
             watchdog.enter(_named(api, peer), arrays, peer is None)
         try:
@@ -101,6 +103,8 @@ class CommThreads:
         finally:
             if watchdog is not None:
                 watchdog.leave()
+            if trace is not None:
+                trace.end(_named(api, peer), "comm", start, bytes=_nbytes(arrays))
         if after is not None:
             after()
         return result
@@ -124,16 +128,21 @@ class CommThreads:
 
     def _watched(self, call: Callable[[], Any], api: str, peer: int | None,
                  arrays: Any) -> Callable[[], Any]:
-        watchdog = self.watchdog
-        if watchdog is None:
+        watchdog, trace = self.watchdog, self.trace
+        if watchdog is None and trace is None:
             return call
 
         def watched() -> Any:
-            watchdog.enter(_named(api, peer), arrays, peer is None)
+            start = trace.begin() if trace is not None else 0.0
+            if watchdog is not None:
+                watchdog.enter(_named(api, peer), arrays, peer is None)
             try:
                 return call()
             finally:
-                watchdog.leave()
+                if watchdog is not None:
+                    watchdog.leave()
+                if trace is not None:
+                    trace.end(_named(api, peer), "comm", start, bytes=_nbytes(arrays))
 
         return watched
 
@@ -141,3 +150,13 @@ class CommThreads:
 def _named(api: str, peer: int | None) -> str:
     """Name an operation for the watchdog: a point-to-point one with its peer."""
     return api if peer is None else f"{api} {'to' if api == 'send' else 'from'} rank {peer}"
+
+
+def _nbytes(arrays: Any) -> int:
+    """Bytes of one array or of a list of them (0 for none)."""
+    if arrays is None:
+        return 0
+    if isinstance(arrays, (list, tuple)):
+        return sum(int(getattr(a, "nbytes", 0)) for a in arrays)
+    return int(getattr(arrays, "nbytes", 0))
+

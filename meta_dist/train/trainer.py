@@ -29,6 +29,7 @@ from meta_dist.optim import make_optimizer
 from meta_dist.train.data import DistributedSampler
 from meta_dist.train.guard import StepGuard
 from meta_dist.train.scaler import LossScaler
+from meta_dist.trace import Trace
 from meta_dist.train.signals import StopSignals, TrainingStopped
 from meta_dist.train.schedule import learning_rate
 from meta_dist.xp import gpu_count, is_cupy_array, select_device, to_numpy
@@ -130,6 +131,10 @@ class Trainer:
         self.comm = (self.context.communicator_for(first) if backend == "auto"
                      else self.context.communicator(backend))
         del first  # the flat buffer replaces every parameter array; none may outlive the copy
+        self.trace = (Trace(config.dist.trace, self.context.rank, self.context.connector.host)
+                      if config.dist.trace else None)  # written when fit ends
+        if self.trace is not None:
+            self.comm.set_trace(self.trace)
         if self.xp is not np and self.log is not None:
             self.log.write(self.context.device_route(self.comm) + "\n")
         self.overlap = resolve_overlap(config.dist.overlap_comm, self.xp, self.context)
@@ -229,23 +234,34 @@ class Trainer:
             self._micro_batches(x, y, k, n, scale, total)
         loss = total / k
         self.guard.watch(loss)
+        trace = self.trace
+        start = trace.begin() if trace is not None else 0.0
         self.stage.step(self.guard, grad_scale=1.0 / (scale * k))
+        if trace is not None:
+            trace.end("step", "phase", start)
         self.steps_done += 1
         self.guard.settle(where or f"step {self.steps_done}")
         return loss
 
     def _micro_batches(self, x: Any, y: Any, k: int, n: int, scale: float, total: Any) -> None:
         """Forward and backward for each of ``k`` micro-batches of ``n``; add the losses up."""
+        trace = self.trace
         for i in range(k):
+            start = trace.begin() if trace is not None else 0.0
             self.stage.begin_micro(i)
             inputs = x[i * n : (i + 1) * n]
             if inputs.dtype.kind == "f" and inputs.dtype != self.work_dtype:
                 inputs = inputs.astype(self.work_dtype)  # the layers compute in the precision
             loss, dout = self.loss_fn(self.model.forward(inputs), y[i * n : (i + 1) * n])
+            if trace is not None:
+                trace.end("forward", "phase", start)
+                start = trace.begin()
             if scale != 1.0:
                 dout = dout * dout.dtype.type(scale)
             self.model.backward(dout)
             self.stage.end_micro()
+            if trace is not None:
+                trace.end("backward", "phase", start)
             total += loss
 
     def _schedule(self) -> None:
@@ -308,14 +324,19 @@ class Trainer:
         self.model.train()
         self.signals = StopSignals()
         self._evaluate = evaluate
-        self._evaluate_now()
-        with self.signals:
-            history = self._epochs(x, y, sampler, first_epoch, skip)
-        if not tcfg.eval_every or self.steps_done % tcfg.eval_every:  # the last step's
+        try:
             self._evaluate_now()
-        # a signal after the last step's vote (in the epoch's end, its checkpoint) still stops
-        if any(self.context.connector.allgather(self.signals.received)):
-            self._stop_on_signal(None)
+            with self.signals:
+                history = self._epochs(x, y, sampler, first_epoch, skip)
+            if not tcfg.eval_every or self.steps_done % tcfg.eval_every:  # the last step's
+                self._evaluate_now()
+            # a signal after the last step's vote (in the epoch's end, its checkpoint) still
+            # stops
+            if any(self.context.connector.allgather(self.signals.received)):
+                self._stop_on_signal(None)
+        finally:
+            if self.trace is not None:
+                self.trace.write()
         return history
 
     def _epochs(self, x: np.ndarray, y: np.ndarray, sampler: DistributedSampler,

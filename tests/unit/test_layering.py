@@ -16,6 +16,7 @@ ALLOWED = {
     "meta_dist.failfast": set(),
     "meta_dist.lazy_mpi": set(),
     "meta_dist.blas_threads": set(),
+    "meta_dist.trace": set(),
     "meta_dist.checkpoint": set(),
     "meta_dist.connector": {"meta_dist.blas_threads", "meta_dist.failfast", "meta_dist.lazy_mpi"},
     "meta_dist.watchdog": {"meta_dist.failfast", "meta_dist.lazy_mpi", "meta_dist.xp"},
