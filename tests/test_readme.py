@@ -96,6 +96,10 @@ def test_readme_command_runs(command, layout):
         made = run(2, ["scripts/distributed/dist_example.py", "n_epoch=1",
                        f"checkpoint_dir={layout / 'checkpoints'}"], timeout=300)
         assert made.returncode == 0, str(made)
+    if "trace merge traces" in command and not (layout / "traces").exists():
+        made = run(2, ["scripts/distributed/dist_example.py", "n_epoch=1", "n_mini_batch=2",
+                       f"trace={layout / 'traces'}"], timeout=300)
+        assert made.returncode == 0, str(made)
     done = subprocess.run(command.replace("-H node1:4,node2:4", "-H localhost:8"),
                           shell=True, cwd=layout, env=environment(), capture_output=True,
                           text=True, timeout=600, check=False)
