@@ -23,7 +23,12 @@ def main(argv: list[str]) -> int:
         return cli(argv[1:])
     print(USAGE if not argv or argv[0] in ("-h", "--help") else
           f"python -m meta_dist: unknown command {argv[0]!r}; {USAGE}", file=sys.stderr)
-    return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    if argv[:1] in (["-h"], ["--help"]):
+        return 0
+    from meta_dist import failfast
+
+    failfast.leave_together(2)  # every rank read the same words: leave, no job to abort
+    return 2
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ Leaf module: standard library only. numpy's OpenBLAS starts one thread per core 
 process; with several ranks on a node and no binding (Open MPI binds only while ranks <= cores;
 MPICH's Hydra does not bind by default) each rank's threads then spin against the others' for
 the same cores, and a step that should take milliseconds waits for time slices. So each rank
-keeps ``cores it may run on // ranks on its node`` threads (at least one), unless the user chose
-(OMP_NUM_THREADS, OPENBLAS_NUM_THREADS or MKL_NUM_THREADS set), or the launcher bound the rank
-to its own cores (its affinity mask then already leaves BLAS that many). numpy reads those
+keeps ``cores // ranks on its node`` threads (at least one, and never more than it had), unless
+the user chose (OMP_NUM_THREADS, OPENBLAS_NUM_THREADS or MKL_NUM_THREADS set), or the launcher
+bound the rank to part of the node (OpenBLAS then sized itself to those cores). numpy reads those
 variables only when it loads, which is usually before MPI starts, so the count is set through
 OpenBLAS's own ``openblas_set_num_threads`` in the library numpy loaded.
 """
@@ -27,29 +27,41 @@ SETTERS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads"
 def share_cores(local_size: int) -> int | None:
     """Limit this process's OpenBLAS threads to its share of the node; return the count set.
 
-    Returns None where nothing was changed: the user set a thread count, no OpenBLAS is loaded,
-    or the share is not below what OpenBLAS already uses.
+    The share is ``cores // local_size`` (at least one), never more than OpenBLAS already
+    uses. Returns None where nothing was changed: one rank on the node, the user set a thread
+    count, the launcher bound this rank to part of the node (its binding decides), or no
+    OpenBLAS is loaded.
     """
+    cores = os.cpu_count() or 1
     if local_size <= 1 or any(os.environ.get(name) for name in USER_VARS):
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    share = max(1, (cores or 1) // local_size)
+    if hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) < cores:
+        return None  # bound: OpenBLAS sized itself to the cores the launcher gave this rank
+    share, changed = max(1, cores // local_size), None
     for library in _loaded_openblas():
         setter = next((getattr(library, name) for name in SETTERS if hasattr(library, name)),
                       None)
-        if setter is not None:
+        current = _threads_of(library)
+        if setter is not None and (current is None or share < current):
             setter(share)
-            return share
-    return None
+            changed = share
+    return changed
 
 
 def openblas_threads() -> int | None:
     """Return the thread count of the OpenBLAS numpy loaded (None without one)."""
     for library in _loaded_openblas():
-        for name in SETTERS:
-            getter = name.replace("set_num_threads", "get_num_threads")
-            if hasattr(library, getter):
-                return int(getattr(library, getter)())
+        count = _threads_of(library)
+        if count is not None:
+            return count
+    return None
+
+
+def _threads_of(library: ctypes.CDLL) -> int | None:
+    for name in SETTERS:
+        getter = name.replace("set_num_threads", "get_num_threads")
+        if hasattr(library, getter):
+            return int(getattr(library, getter)())
     return None
 
 

@@ -15,14 +15,11 @@ from typing import Any
 
 from meta_dist.lazy_mpi import MPI
 
-import meta_dist.failfast as failfast
 import meta_dist.blas_threads as blas_threads
+import meta_dist.failfast as failfast
 from meta_dist.errors import UsageError
 
 ROOT_RANK = 0
-# what an mpirun tells each process of the job's size: Open MPI's, MPICH Hydra's, PMIx's (not
-# SLURM_NTASKS: a batch script's plain ``python`` sees it and rightly runs alone)
-_LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
 
 
 class MPIConnector:
@@ -153,7 +150,7 @@ def _check_launcher(size: int) -> None:
     The mark of an mpirun of another MPI than the one mpi4py loads: each process gets the
     launcher's variables but its MPI starts alone, as a job of size 1.
     """
-    announced = next(((name, os.environ[name]) for name in _LAUNCHER_SIZE_VARS
+    announced = next(((name, os.environ[name]) for name in failfast.LAUNCHER_SIZE_VARS
                       if os.environ.get(name, "").isdigit()), None)
     if announced is None or int(announced[1]) == size:
         return

@@ -34,8 +34,9 @@ from typing import Any
 
 from meta_dist.errors import USAGE_EXIT, UsageError
 
-# how each launcher tells a process its place in the job (Open MPI, MPICH Hydra, Slurm/PMIx)
-_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
+# how each launcher tells a process its place in the job (Open MPI, MPICH Hydra, PMIx, as srun
+# does too); not SLURM_NTASKS: a batch script's plain ``python`` sees it and rightly runs alone
+LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
 _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
 
 _exit_status: list[Any] = [None]  # what sys.exit was last given
@@ -46,7 +47,7 @@ _together: list[int | None] = [None]  # the exit code every rank leaves with (le
 
 def launched_size() -> int:
     """Return the job's size as the MPI launcher announced it (1 without a launcher)."""
-    for name in _SIZE_VARS:
+    for name in LAUNCHER_SIZE_VARS:
         value = os.environ.get(name, "")
         if value.isdigit():
             return int(value)

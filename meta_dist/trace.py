@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -103,12 +104,12 @@ def merge(folder: str | Path, out: str | Path) -> int:
 def cli(argv: list[str]) -> int:
     """``trace merge DIR OUT.json``; return the exit code."""
     if len(argv) != 3 or argv[0] != "merge":
-        print("usage: python -m meta_dist trace merge DIR OUT.json")
+        print("usage: python -m meta_dist trace merge DIR OUT.json", file=sys.stderr)
         return 2
     try:
         count = merge(argv[1], argv[2])
     except FileNotFoundError as error:
-        print(error)
+        print(error, file=sys.stderr)
         return 2
     print(f"{argv[2]}: {count} events from {argv[1]}")
     return 0

@@ -73,6 +73,13 @@ def pytest_runtest_protocol(item, nextitem):
 
 def pytest_sessionfinish(session, exitstatus):
     every = _agree.gather(_outcomes, root=0)
+    try:
+        _write_report(every)
+    finally:  # a rank that failed aborts the job as it exits: not before the report is out
+        _agree.Barrier()
+
+
+def _write_report(every):
     path = os.environ.get("META_DIST_SUITE_REPORT")
     if WORLD.rank != 0 or not path:
         return
@@ -84,5 +91,7 @@ def pytest_sessionfinish(session, exitstatus):
             if entry["outcome"] == "failed":
                 into["failed_on"].append(rank)
                 into["outcome"] = "failed"
-    with open(path, "w") as out:
+    partial = f"{path}.partial"  # renamed when whole: a reader never sees half a report
+    with open(partial, "w") as out:
         json.dump({"size": WORLD.size, "tests": merged}, out)
+    os.replace(partial, path)

@@ -496,9 +496,9 @@ class GELU(Layer):
         """Return GELU(x); keeps x and the tanh term."""
         xp = array_module(x)
         self.x = x
-        t = x * x  # the tanh term, built in one array: elementwise passes, not temporaries
+        t = x * GELU_CUBIC_COEF  # the tanh term, built in one array: passes, not temporaries
+        t *= x  # scaled before the cube, so float16 overflows no sooner than the formula does
         t *= x
-        t *= GELU_CUBIC_COEF
         t += x
         t *= GELU_TANH_COEF
         self.t = xp.tanh(t, out=t)
@@ -511,8 +511,8 @@ class GELU(Layer):
         """Return ``dout * d/dx GELU(x)``: ``0.5 (1 + t + x (1 - t^2) du/dx)``, in two arrays."""
         xp = array_module(dout)
         x, t = self.x, self.t
-        du = x * x  # du/dx of the tanh argument: sqrt(2/pi) (1 + 3 * 0.044715 x^2)
-        du *= 3.0 * GELU_CUBIC_COEF
+        du = x * (3.0 * GELU_CUBIC_COEF)  # du/dx of the tanh argument: sqrt(2/pi) (1 + 3c x^2),
+        du *= x  # scaled before the square (float16: x*x overflows from |x| = 256)
         du += 1.0
         du *= GELU_TANH_COEF
         grad = t * t
@@ -522,6 +522,8 @@ class GELU(Layer):
         grad += t
         grad += 1.0
         grad *= 0.5
+        if grad.dtype != dout.dtype:  # promote as dout * grad would (fp16 x, fp32 dout)
+            return grad * dout
         grad *= dout
         return grad
 

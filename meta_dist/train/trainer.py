@@ -26,10 +26,10 @@ from meta_dist.errors import UsageError
 from meta_dist.nn.losses import softmax_cross_entropy
 from meta_dist.nn.model import Sequential
 from meta_dist.optim import make_optimizer
+from meta_dist.trace import Trace
 from meta_dist.train.data import DistributedSampler
 from meta_dist.train.guard import StepGuard
 from meta_dist.train.scaler import LossScaler
-from meta_dist.trace import Trace
 from meta_dist.train.signals import StopSignals, TrainingStopped
 from meta_dist.train.schedule import learning_rate
 from meta_dist.xp import gpu_count, is_cupy_array, select_device, to_numpy
@@ -132,9 +132,7 @@ class Trainer:
                      else self.context.communicator(backend))
         del first  # the flat buffer replaces every parameter array; none may outlive the copy
         self.trace = (Trace(config.dist.trace, self.context.rank, self.context.connector.host)
-                      if config.dist.trace else None)  # written when fit ends
-        if self.trace is not None:
-            self.comm.set_trace(self.trace)
+                      if config.dist.trace else None)  # fit records into it and writes it
         if self.xp is not np and self.log is not None:
             self.log.write(self.context.device_route(self.comm) + "\n")
         self.overlap = resolve_overlap(config.dist.overlap_comm, self.xp, self.context)
@@ -318,12 +316,13 @@ class Trainer:
                 where = self.config.sources.get("train_config.resume_from", "code")
                 raise checkpoint.CheckpointError(
                     f"train_config.resume_from {tcfg.resume_from!r} (set in {where}): {error}"
-                ) from None
+                ) from error
             if skip >= sampler.steps_per_epoch:  # saved at an epoch's end: the next one
                 first_epoch, skip = first_epoch + 1, 0
         self.model.train()
         self.signals = StopSignals()
         self._evaluate = evaluate
+        self.comm.set_trace(self.trace)  # the communicator is shared: record only while fit runs
         try:
             self._evaluate_now()
             with self.signals:
@@ -335,6 +334,7 @@ class Trainer:
             if any(self.context.connector.allgather(self.signals.received)):
                 self._stop_on_signal(None)
         finally:
+            self.comm.set_trace(None)
             if self.trace is not None:
                 self.trace.write()
         return history

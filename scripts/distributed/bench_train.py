@@ -182,8 +182,7 @@ def meta_variant(level, work, args):
          "precision": args.precision, **work.config},
         {"zero_opt_level": level, "overlap_comm": args.overlap, "bucket_size_mb": args.bucket_mb,
          "device": args.device, "backend": "mpi" if args.device == "cpu" else "auto",
-         "seed": SEED, "nonfinite": args.nonfinite, "reshard_after_forward": args.reshard,
-         "trace": args.trace})
+         "seed": SEED, "nonfinite": args.nonfinite, "reshard_after_forward": args.reshard})
     xp = array_module_for(config)  # cupy on this rank's GPU for --device cuda
     trainer = Trainer(work.meta_model(xp), config, loss_fn=work.loss_fn, log=None)
     args.resolved_overlap = trainer.overlap
@@ -285,10 +284,6 @@ def parse_args():
                    help="global batch: samples (mlp, default 256) or windows (gpt, default 32)")
     p.add_argument("--reshard", action=argparse.BooleanOptionalAction, default=True,
                    help="level 3's reshard_after_forward (and FSDP FULL_SHARD vs SHARD_GRAD_OP)")
-    p.add_argument("--trace", default=None, metavar="DIR",
-                   help="meta_dist_config trace: record every phase and collective (the cost "
-                        "of tracing shows in the step time; the files are written by fit, "
-                        "which the benchmark does not call)")
     p.add_argument("--torch", action="store_true",
                    help="also run PyTorch DDP, DDP + ZeroRedundancyOptimizer and FSDP")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
