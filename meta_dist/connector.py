@@ -8,7 +8,6 @@ so no peer is left waiting in a collective.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -150,15 +149,14 @@ def _check_launcher(size: int) -> None:
     The mark of an mpirun of another MPI than the one mpi4py loads: each process gets the
     launcher's variables but its MPI starts alone, as a job of size 1.
     """
-    announced = next(((name, os.environ[name]) for name in failfast.LAUNCHER_SIZE_VARS
-                      if os.environ.get(name, "").isdigit()), None)
-    if announced is None or int(announced[1]) == size:
+    announced = failfast.launcher_announcement()
+    if announced is None or announced[1] == size:
         return
     beside = Path(sys.executable).parent / "mpirun"
     advice = (f"launch with the mpirun installed beside this Python ({beside})" if beside.exists()
               else "launch with the mpirun of the MPI that mpi4py was built for")
     raise UsageError(
-        f"MPI: the launcher started {announced[1]} ranks ({announced[0]}={announced[1]}), but "
+        f"the launcher started {announced[1]} ranks ({announced[0]}={announced[1]}), but "
         f"this process's MPI started alone (size {size}): the mpirun that launched the job "
         f"belongs to another MPI than the one mpi4py loads ({_library_line()}); {advice}, or "
         "reinstall mpi4py for the MPI you launch with")

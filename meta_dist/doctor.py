@@ -32,36 +32,31 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
-    from mpi4py import MPI
-
     from meta_dist import failfast
+    from meta_dist.connector import MPIConnector
+    from meta_dist.errors import UsageError
 
-    world = MPI.COMM_WORLD
-    announced = failfast.launched_size()
-    if announced != world.size and world.size == 1:  # the connector would refuse: say it here
-        print(f"FAIL  world size: the launcher started {announced} ranks but MPI started this "
-              "one alone (size 1); fix: launch with the mpirun of the MPI mpi4py was built "
-              f"for ({Path(sys.executable).parent / 'mpirun'} in this environment)", flush=True)
+    try:
+        connector = MPIConnector()  # refuses a world that is not the one the launcher started
+    except UsageError as error:
+        print(f"FAIL  world size: {error}", flush=True)
         failfast.leave_together(1)  # every process of such a job is alone: no job to abort
         return 1
-    from meta_dist.connector import MPIConnector
-
-    connector = MPIConnector()
     try:
-        return _run(connector, world)
+        return _run(connector)
     finally:
         connector.close()
 
 
-def _run(connector: Any, world: Any) -> int:
+def _run(connector: Any) -> int:
     from meta_dist.comm import make_communicator
     from meta_dist.comm.nccl_backend import gpu_survey
 
     device, problems = gpu_survey(connector)  # collective; makes this rank's GPU current
     mine = _describe(connector, device)
     every = connector.allgather(mine)
-    checks = [_world_size(connector), _gpus_per_host(every), _one_gpu_per_rank(problems),
-              _same_versions(every)]
+    checks = [(True, f"world size: {connector.size} rank(s), as launched"),  # the connector
+              _gpus_per_host(every), _one_gpu_per_rank(problems), _same_versions(every)]
     comm = make_communicator("mpi", connector)
     try:
         checks.append(_allreduce(comm, connector.size))
@@ -145,16 +140,6 @@ def _interfaces() -> str:
         state = Path(f"/sys/class/net/{name}/operstate")
         states.append(f"{name} ({state.read_text().strip()})" if state.exists() else name)
     return ", ".join(states) or "none found"
-
-
-def _world_size(connector: Any) -> tuple[bool, str]:
-    from meta_dist import failfast
-
-    announced = failfast.launched_size()
-    if announced not in (1, connector.size):
-        return False, (f"world size: MPI has {connector.size} ranks, the launcher announced "
-                       f"{announced}; fix: launch with the mpirun of the MPI mpi4py uses")
-    return True, f"world size: {connector.size} rank(s), as launched"
 
 
 def _gpus_per_host(every: list[dict]) -> tuple[bool, str]:

@@ -45,13 +45,19 @@ _installed, _tracked = [False], [False]
 _together: list[int | None] = [None]  # the exit code every rank leaves with (leave_together)
 
 
-def launched_size() -> int:
-    """Return the job's size as the MPI launcher announced it (1 without a launcher)."""
+def launcher_announcement() -> tuple[str, int] | None:
+    """Return (variable, job size) as the MPI launcher announced it; None without a launcher."""
     for name in LAUNCHER_SIZE_VARS:
         value = os.environ.get(name, "")
         if value.isdigit():
-            return int(value)
-    return 1
+            return name, int(value)
+    return None
+
+
+def launched_size() -> int:
+    """Return the job's size as the MPI launcher announced it (1 without a launcher)."""
+    announced = launcher_announcement()
+    return 1 if announced is None else announced[1]
 
 
 def install() -> None:
@@ -104,7 +110,7 @@ def install_for_one_process() -> None:
 
     def hook(exc_type: type, exc: BaseException, tb: Any) -> None:
         if isinstance(exc, UsageError) and not _debug():
-            _write(f"{_program()}: error: {exc}\n")
+            _say(str(exc))
             _leave(USAGE_EXIT)
         previous(exc_type, exc, tb)
 
@@ -145,19 +151,19 @@ def _report_once(message: str, code: int) -> None:
     try:
         from mpi4py import MPI  # starts MPI if the mistake came first: every rank does
     except Exception:  # no MPI here: a process alone
-        _write(f"{_program()}: error: {message}\n")
+        _say(message)
         _leave(code)
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     if rank == 0:
-        _write(f"{_program()}: error: {message}\n")
+        _say(message)
     sends = [world.isend(None, dest=peer, tag=MISTAKE_TAG) for peer in range(size) if peer != rank]
     heard = _listen(world, MISTAKE_TAG, lambda got: len(got) == size - 1, MISTAKE_GRACE_S)
     everyone = len(heard) == size - 1
     if not any(peer < rank for peer in heard):  # the lowest failing rank
         if rank != 0:
-            _write(f"{_program()}: error on rank {rank} of {size} (host "
-                   f"{socket.gethostname()}; {len(heard) + 1} failed): {message}\n")
+            _say(message, f" on rank {rank} of {size} (host {socket.gethostname()}; "
+                          f"{len(heard) + 1} failed)")
         sends += [world.isend(None, dest=peer, tag=PRINTED_TAG)
                   for peer in range(size) if peer != rank]
     else:
@@ -184,10 +190,11 @@ def _listen(world: Any, tag: int, enough: Any, seconds: float) -> set[int]:
     return heard
 
 
-def _write(text: str) -> None:
+def _say(message: str, where: str = "") -> None:
+    """Print ``<script>: error<where>: <message>`` on the real stderr, at once."""
     stream = sys.__stderr__ or sys.stderr
     with contextlib.suppress(Exception):
-        stream.write(text)
+        stream.write(f"{_program()}: error{where}: {message}\n")
         stream.flush()
 
 

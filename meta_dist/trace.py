@@ -14,12 +14,10 @@ Off (the default), the hot paths pay one ``is None`` test per operation and per 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,15 +63,6 @@ class Trace:
             self.events.append({"name": name, "cat": category, "ph": "X", "ts": start,
                                 "dur": stop - start, "pid": self.rank, "tid": tid,
                                 "args": args})
-
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Record the ``with`` block as one ``name`` event of category "phase"."""
-        start = self.begin()
-        try:
-            yield
-        finally:
-            self.end(name, "phase", start)
 
     def write(self) -> Path:
         """Write this rank's events; return the file."""

@@ -131,3 +131,12 @@ def suite_failures(tests: dict) -> list[str]:
     """Return one line per inner test that failed, with the ranks it failed on."""
     return [f"{nodeid} (failed on rank(s) {', '.join(map(str, entry['failed_on']))})"
             for nodeid, entry in tests.items() if entry["outcome"] == "failed"]
+
+
+def another_mpis_env() -> dict[str, str]:
+    """Return the environment another MPI's mpirun gives a process of a 2-rank job (Hydra's
+    PMI_SIZE=2, PMI_RANK=0), with no variable of this MPI's launcher: started as a plain
+    process, its MPI then starts alone (size 1)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI", "PMIX"))}
+    env.update(PMI_SIZE="2", PMI_RANK="0", PYTHONPATH=str(ROOT))
+    return env

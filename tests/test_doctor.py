@@ -1,11 +1,10 @@
 """``python -m meta_dist doctor`` under real mpirun: what each rank sees, and its checks."""
 
-import os
 import re
 import subprocess
 import sys
 
-from mpirun import ROOT, run
+from mpirun import ROOT, another_mpis_env, run
 
 
 def test_the_doctor_reports_every_rank_and_passes_here():
@@ -25,8 +24,7 @@ def test_the_doctor_reports_every_rank_and_passes_here():
 
 def test_the_doctor_fails_a_launch_by_another_mpi():
     """What another MPI's mpirun gives each process (PMI_SIZE=2; MPI alone): FAIL, exit 1."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI", "PMIX"))}
-    env.update(PMI_SIZE="2", PMI_RANK="0", PYTHONPATH=str(ROOT))
+    env = another_mpis_env()
     done = subprocess.run([sys.executable, "-m", "meta_dist", "doctor"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 1, done.stdout + done.stderr

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from mpirun import ROOT, finish, flavour, mpi_env, run, start
+from mpirun import ROOT, another_mpis_env, finish, flavour, mpi_env, run, start
 
 from meta_dist.errors import USAGE_EXIT
 
@@ -156,8 +156,7 @@ def test_launched_by_another_mpi_says_so():
     """What an mpirun of another MPI gives each rank: its launcher's variables (here Hydra's
     PMI_SIZE=2), but an MPI that starts alone (size 1). Every such process is a job of its own,
     so each prints the message once."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI", "PMIX"))}
-    env.update(PMI_SIZE="2", PMI_RANK="0", PYTHONPATH=str(ROOT))
+    env = another_mpis_env()
     done = subprocess.run([sys.executable, EXAMPLE], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120, check=False)
     assert done.returncode == USAGE_EXIT, done.stdout + done.stderr
