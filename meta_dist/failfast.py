@@ -170,6 +170,13 @@ def _report_once(message: str, code: int) -> None:
         _listen(world, PRINTED_TAG, bool, MISTAKE_GRACE_S)
     if everyone:
         MPI.Request.waitall(sends)
+        if "MPICH" in MPI.Get_library_version():
+            # Hydra kills the ranks still in MPI_Finalize once one exits non-zero (exit 9 and
+            # its banner, seen 1 run in 5): one MPI_Abort by rank 0 ends them all with code
+            world.Barrier()
+            if rank == 0:
+                end_job(code)
+            time.sleep(MISTAKE_GRACE_S)  # rank 0's abort ends this rank
         _leave(code)
     end_job(code)
 
