@@ -1,14 +1,17 @@
 """``python -m meta_dist COMMAND``: the project's operations commands.
 
     mpirun -np N python -m meta_dist doctor    what each rank sees; checks of the launch
+    mpirun -np N python -m meta_dist bench collectives|fusion|train|checkpoint [options]
+                                               the benchmarks (meta_dist.bench)
     python -m meta_dist trace merge DIR OUT.json    the ranks' traces (meta_dist_config.trace)
                                                     in one file, a track per rank
 """
 
 import sys
 
-USAGE = ("usage: python -m meta_dist doctor   (under mpirun: mpirun -np N python -m "
-         "meta_dist doctor), or python -m meta_dist trace merge DIR OUT.json")
+USAGE = ("usage: mpirun -np N python -m meta_dist doctor, mpirun -np N python -m meta_dist "
+         "bench collectives|fusion|train|checkpoint [options], or python -m meta_dist trace "
+         "merge DIR OUT.json")
 
 
 def main(argv: list[str]) -> int:
@@ -17,6 +20,10 @@ def main(argv: list[str]) -> int:
         from meta_dist.doctor import main as doctor
 
         return doctor(argv[1:])
+    if argv[:1] == ["bench"]:
+        from meta_dist.bench import main as bench
+
+        return bench(argv[1:])
     if argv[:1] == ["trace"]:
         from meta_dist.trace import cli
 

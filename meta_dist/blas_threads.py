@@ -48,6 +48,19 @@ def share_cores(local_size: int) -> int | None:
     return changed
 
 
+def use_threads(count: int) -> None:
+    """Run this process's BLAS with ``count`` threads, as OMP_NUM_THREADS etc. would have at
+    start: the variables for libraries not loaded yet (torch's OpenMP), the OpenBLAS setter for
+    the one numpy loaded. A benchmark's fairness setting, not training's (``share_cores``)."""
+    for name in USER_VARS:
+        os.environ[name] = str(count)
+    for library in _loaded_openblas():
+        setter = next((getattr(library, name) for name in SETTERS if hasattr(library, name)),
+                      None)
+        if setter is not None:
+            setter(count)
+
+
 def openblas_threads() -> int | None:
     """Return the thread count of the OpenBLAS numpy loaded (None without one)."""
     for library in _loaded_openblas():

@@ -62,7 +62,7 @@ class Checksum:
     summed (wrapping; the last block padded with zeros), and crc32 folds the block sums and
     the length, so a changed word, a lost or reordered block and a truncation all show. crc32
     over the data itself runs slower than numpy's sum, which runs at memory speed, and cost as
-    much as the write (bench_checkpoint.py); this is not a defence against deliberate changes,
+    much as the write (`bench checkpoint`); this is not a defence against deliberate changes,
     only against damage.
     """
 

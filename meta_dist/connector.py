@@ -8,6 +8,7 @@ so no peer is left waiting in a collective.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,14 @@ def _check_launcher(size: int) -> None:
     The mark of an mpirun of another MPI than the one mpi4py loads: each process gets the
     launcher's variables but its MPI starts alone, as a job of size 1.
     """
+    step_tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
+    if size == 1 and step_tasks.isdigit() and int(step_tasks) > 1:  # srun's tasks, apart
+        raise UsageError(
+            f"srun started {step_tasks} tasks (SLURM_STEP_NUM_TASKS={step_tasks}), but this "
+            f"process's MPI started alone (size 1): srun offered no process-management "
+            f"interface this MPI speaks ({_library_line()}); use srun --mpi=pmix for Open MPI "
+            "(it speaks PMIx only), srun --mpi=pmi2 for MPICH, or mpirun (mpiexec) inside "
+            "salloc or the batch script")
     announced = failfast.launcher_announcement()
     if announced is None or announced[1] == size:
         return

@@ -127,7 +127,11 @@ def _debug() -> bool:
 
 
 def _program() -> str:
-    return Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python"
+    """The script's name, or ``python -m PACKAGE`` for a package run with -m."""
+    if not sys.argv or not sys.argv[0]:
+        return "python"
+    path = Path(sys.argv[0])
+    return f"python -m {path.parent.name}" if path.name == "__main__.py" else path.name
 
 
 def _end_job_on_exception(exc_type: type, exc: BaseException, tb: Any) -> None:

@@ -140,3 +140,30 @@ def another_mpis_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI", "PMIX"))}
     env.update(PMI_SIZE="2", PMI_RANK="0", PYTHONPATH=str(ROOT))
     return env
+
+
+SLURM_SETUP = "scripts/ops/slurm_one_host.sh"
+
+
+def slurm_missing() -> str | None:
+    """Return why Slurm cannot take a 4-task job here, or None when it can."""
+    missing = [name for name in ("salloc", "sinfo", "srun", "scontrol")
+               if shutil.which(name) is None]
+    if missing:
+        return (f"no Slurm client commands ({', '.join(missing)} not on PATH); {SLURM_SETUP} sets up "
+                "a one-host Slurm")
+    try:
+        ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30)
+        if "UP" not in ping.stdout:
+            said = ping.stdout.strip().splitlines()[:1] or ping.stderr.strip().splitlines()[-1:]
+            return (f"no Slurm controller answers (scontrol ping: {' '.join(said)!r}); "
+                    f"{SLURM_SETUP} starts one")
+        cpus = subprocess.run(["sinfo", "-h", "-t", "idle,mix", "-o", "%C"], capture_output=True,
+                              text=True, timeout=30).stdout.split()
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"Slurm does not answer ({error}); {SLURM_SETUP} starts a one-host Slurm"
+    # %C is allocated/idle/other/total CPUs of the partition's idle or mixed nodes
+    idle = sum(int(field.split("/")[1]) for field in cpus if field.count("/") == 3)
+    if idle < 4:
+        return f"Slurm has fewer than 4 idle CPUs (sinfo %C: {' '.join(cpus) or 'none'})"
+    return None

@@ -11,7 +11,7 @@ README's reader stands, and the test says so instead of rewriting the commands:
 Open MPI's own flags (--hostfile, -H, --oversubscribe, --bind-to, --allow-run-as-root) run
 under Open MPI, MPICH's (``mpiexec -f``) under MPICH. The first two commands (set up and run,
 then the test suite) are CI's to run: .ci/run runs them word for word in a fresh clone. The
-benchmarks (scripts/distributed/bench_*.py) run with ``-m readme_bench``, which .ci/run also
+benchmarks (``python -m meta_dist bench ...``) run with ``-m readme_bench``, which .ci/run also
 runs; those that compare with PyTorch skip without it. The API tour's first block runs on 2
 ranks.
 """
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mpirun import ROOT, flavour, mpi_env, run
+from mpirun import ROOT, flavour, mpi_env, run, slurm_missing
 
 README = ROOT / "README.md"
 OPENMPI_ONLY = ("--hostfile", "-H", "--oversubscribe", "--bind-to", "--allow-run-as-root")
@@ -43,7 +43,7 @@ def commands():
 
 def cases():
     for number, command in enumerate(commands()[CI_RUNS:], start=CI_RUNS + 1):
-        marks = [pytest.mark.readme_bench] if "/bench_" in command else []
+        marks = [pytest.mark.readme_bench] if "meta_dist bench" in command else []
         yield pytest.param(command, id=f"{number}: {command[:60]}", marks=marks)
 
 
@@ -70,8 +70,8 @@ def on_localhost(hostfile: str) -> str:
     return "\n".join([*kept, f"localhost{sep}{sum(slots)}"]) + "\n"
 
 
-def environment():
-    env = mpi_env()
+def environment(**extra):
+    env = mpi_env(**extra)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # python3, mpirun
     return env
 
@@ -90,8 +90,17 @@ def test_readme_command_runs(command, layout):
     if words[0] in ("mpirun", "mpiexec") and flavour() != "openmpi" and any(
             flag in words for flag in OPENMPI_ONLY):
         pytest.skip("Open MPI's flags; this run's MPI is MPICH")
+    if words[0] in ("salloc", "srun", "sbatch"):
+        if slurm_missing():
+            pytest.skip(slurm_missing())
+        if "--mpi=pmix" in words and flavour() != "openmpi":
+            pytest.skip("srun --mpi=pmix is Open MPI's; this run's MPI is MPICH")
+        if "--mpi=pmi2" in words and flavour() != "mpich":
+            pytest.skip("srun --mpi=pmi2 is MPICH's; this run's MPI is Open MPI")
     if "--torch" in words:
         pytest.importorskip("torch", reason="needs torch: pip install -e '.[bench]'")
+    if "--plot" in words:
+        pytest.importorskip("matplotlib", reason="needs matplotlib: pip install -e '.[bench]'")
     if "meta_dist.checkpoint" in command and not (layout / "checkpoints").exists():
         made = run(2, ["scripts/distributed/dist_example.py", "n_epoch=1",
                        f"checkpoint_dir={layout / 'checkpoints'}"], timeout=300)
@@ -100,8 +109,10 @@ def test_readme_command_runs(command, layout):
         made = run(2, ["scripts/distributed/dist_example.py", "n_epoch=1", "n_mini_batch=2",
                        f"trace={layout / 'traces'}"], timeout=300)
         assert made.returncode == 0, str(made)
+    # a one-host Slurm claims 4 CPUs on 2 cores, and Open MPI busy-waits when slots >= ranks
+    slurm = {"OMPI_MCA_mpi_yield_when_idle": "1"} if words[0] in ("salloc", "srun") else {}
     done = subprocess.run(command.replace("-H node1:4,node2:4", "-H localhost:8"),
-                          shell=True, cwd=layout, env=environment(), capture_output=True,
+                          shell=True, cwd=layout, env=environment(**slurm), capture_output=True,
                           text=True, timeout=600, check=False)
     output = (done.stdout + done.stderr).replace("\0", "")
     assert done.returncode == 0, f"{command}\nexit code {done.returncode}\n{output}"

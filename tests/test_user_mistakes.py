@@ -165,6 +165,22 @@ def test_launched_by_another_mpi_says_so():
     assert "2 ranks" in lines[0] and "size 1" in lines[0] and "mpi4py" in lines[0], lines[0]
 
 
+def test_srun_without_a_pmi_this_mpi_speaks():
+    """What ``srun -n 4 python ...`` gives each task where srun starts no PMI server the MPI
+    speaks (no --mpi where MpiDefault=none; --mpi=pmi2 for Open MPI): SLURM_STEP_NUM_TASKS=4,
+    an MPI that starts alone. Without this check, four separate trainings ran and exited 0
+    (seen under a one-host Slurm: tests/test_slurm.py)."""
+    env = {k: v for k, v in mpi_env().items() if not k.startswith(("OMPI_COMM", "PMI", "PMIX"))}
+    env.update(SLURM_STEP_NUM_TASKS="4", SLURM_STEP_ID="0", SLURM_PROCID="0")
+    done = subprocess.run([sys.executable, EXAMPLE], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == USAGE_EXIT, done.stdout + done.stderr
+    lines = ERROR_LINE.findall(done.stderr)
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    for word in ("srun started 4 tasks", "size 1", "--mpi=pmix", "--mpi=pmi2"):
+        assert word in lines[0], lines[0]
+
+
 def test_debug_shows_the_traceback():
     result = run(2, [EXAMPLE, "zero_opt_level=4"], timeout=120,
                  env=mpi_env(META_DIST_DEBUG="1"))

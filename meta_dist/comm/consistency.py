@@ -61,7 +61,7 @@ class ConsistencyCheck:
         self._sent = memoryview(self._pair).cast("B")
         self._result = np.empty(2, np.int64)
         # A persistent allreduce (MPI-4) on these buffers costs less per check than
-        # MPI_Allreduce (bench_collectives.py --check-cost). Collective to make.
+        # MPI_Allreduce (`bench collectives --check-cost`). Collective to make.
         self._request: MPI.Prequest | None = None
         if hasattr(comm, "Allreduce_init"):
             with contextlib.suppress(NotImplementedError, MPI.Exception):

@@ -11,7 +11,7 @@ segment so the scratch stays in cache; an allreduce then gathers the chunks with
 MPI_Allgatherv. Open MPI allocates and first-touches fresh scratch memory inside every large
 MPI_Allreduce and MPI_Reduce_scatter_block, which costs more than moving the data (DESIGN.md);
 reused buffers avoid that. Each chunk is reduced by exactly one rank and then copied, so every
-rank ends with bit-identical results. scripts/distributed/bench_collectives.py measures where the
+rank ends with bit-identical results. `bench collectives` measures where the
 exchange starts to pay; ``PAIRWISE_MIN_BYTES`` holds the answer.
 """
 

@@ -2,7 +2,7 @@
 
 Needs torch (the ``bench`` extra); nothing in meta_dist's training path imports this module. The
 oracle tests (tests/unit/test_torch_oracle.py) compare meta_dist's GPT with ``TorchGPT`` step by
-step; bench_train.py --model gpt times both under the same data and weights. ``twin`` copies a
+step; `bench train --model gpt` times both under the same data and weights. ``twin`` copies a
 meta_dist GPT's weights into a ``TorchGPT``.
 
 One deliberate difference from nanoGPT: the MLP's GELU is the tanh form (GPT-2's), because

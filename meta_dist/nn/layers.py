@@ -214,7 +214,7 @@ class Linear(Layer):
         _check_last_axis("Linear.forward", x, self.in_features)
         self.x = x
         # one 2-D product: BLAS sees every row at once, where numpy would run a 3-D @ 2-D
-        # product block by block (bench_train.py --model gpt shows the difference)
+        # product block by block (`bench train --model gpt` shows the difference)
         out = x.reshape(-1, self.in_features) @ self.params["weight"]
         if "bias" in self.params:
             out += self.params["bias"]  # in place: no second output-sized array

@@ -73,7 +73,7 @@ class Optimizer:
         """Elements updated per pass on the host (None on a GPU: one kernel per op is best).
 
         Each numpy ufunc is one pass over memory, so a block that stays in cache turns the
-        rule's ~12 passes into about one (bench_train.py shows the optimizer's share).
+        rule's ~12 passes into about one (`bench train` shows the optimizer's share).
         """
         return HOST_BLOCK if self.xp is np else None
 
@@ -272,6 +272,11 @@ class Optimizer:
     def state_bytes(self) -> int:
         """Return the bytes held by state arrays (workspace excluded), for memory reports."""
         return sum(int(arr.nbytes) for arr in self.state.values())
+
+    def state_bytes_per_element(self) -> int:
+        """Return the state bytes this optimizer keeps per parameter (Adam in fp32: 8), from
+        its kind and dtype alone: what memory predictions multiply by."""
+        return len(self._state_keys()) * self.dtype.itemsize
 
 
 def _as_pieces(api: str, params: Any, grads: Any) -> tuple[list[Array], list[Array]]:

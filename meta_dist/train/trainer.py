@@ -7,7 +7,6 @@ chosen from ``STAGES`` is the whole difference.
 from __future__ import annotations
 
 import os
-import resource
 import signal
 import sys
 import time
@@ -29,11 +28,13 @@ from meta_dist.optim import make_optimizer
 from meta_dist.trace import Trace
 from meta_dist.train.data import DistributedSampler
 from meta_dist.train.guard import StepGuard
+from meta_dist.train.memory import PeakMeter
 from meta_dist.train.scaler import LossScaler
 from meta_dist.train.signals import StopSignals, TrainingStopped
 from meta_dist.train.schedule import learning_rate
 from meta_dist.xp import gpu_count, is_cupy_array, select_device, to_numpy
 from meta_dist.zero import STAGES, FlatModel, ZeroStage
+from meta_dist.zero.memory import predict
 from meta_dist.zero.stages import broadcast_model
 
 LossFn = Callable[[Any, Any], tuple[Any, Any]]
@@ -136,6 +137,7 @@ class Trainer:
         if self.xp is not np and self.log is not None:
             self.log.write(self.context.device_route(self.comm) + "\n")
         self.overlap = resolve_overlap(config.dist.overlap_comm, self.xp, self.context)
+        self.memory = PeakMeter(self.xp)  # a GPU's pool peak counts from the first meter
         self.stage = self._make_stage(STAGES[config.dist.zero_opt_level])
         self.stage.attach()
         tcfg, dcfg = config.train, config.dist
@@ -551,27 +553,16 @@ class Trainer:
     def memory_report(self) -> dict[str, int]:
         """Bytes of params, grads, optimizer state and buffers this rank holds, and its peak.
 
-        ``peak`` is measured, not derived: on the CPU the process's resident high-water mark
-        (VmHWM, which ``/proc/self/clear_refs`` can reset), on a GPU the bytes the CuPy memory
-        pool holds now (blocks in use and cached free ones).
+        ``peak`` is measured, not derived (``train.memory.PeakMeter``): on the CPU the
+        process's resident high-water mark (VmHWM), on a GPU the most bytes the CuPy memory
+        pool has had in use since the first meter (this Trainer's, or one made before it).
         """
-        report = self.stage.memory_report()
-        if self.xp is np:
-            report["peak"] = resident_peak()
-        else:
-            report["peak"] = int(self.xp.get_default_memory_pool().total_bytes())
-        return report
+        return {**self.stage.memory_report(), "peak": self.memory.peak()}
 
-
-def resident_peak() -> int:
-    """Return this process's peak resident memory in bytes (VmHWM; ru_maxrss off Linux)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    def predicted_memory(self) -> dict[str, int]:
+        """Bytes of params, grads, optimizer state and buffers this rank should hold, from
+        the partition plan and DESIGN.md's formulas (``zero.memory.predict``)."""
+        return predict(self.stage)
 
 
 def _plain(values: dict[str, Any]) -> dict[str, Any]:

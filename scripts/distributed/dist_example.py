@@ -7,7 +7,8 @@ same shape. ``--config configs/digits.yaml`` trains on 1797 real handwritten dig
 YAML file (--config) and KEY=VALUE words override the defaults (e.g. ``zero_opt_level=1
 optimizer=adam lr=0.001``). Rank 0 prints the training and distribution config, the mean loss
 of every epoch, the accuracy on held-out samples (20%, never trained on) before and after
-training, and the memory each rank holds.
+training, and per rank the memory its ZeRO level should hold (from the partition plan), what it
+holds, and its measured peak growth since before the model was built.
 """
 
 import sys
@@ -21,6 +22,7 @@ from meta_dist.nn.layers import AvgPool2d, BatchNorm, Conv2d, Flatten, Linear, S
 from meta_dist.nn.model import Sequential
 from meta_dist.train import Trainer, array_module_for, load_npz, synthetic_classification
 from meta_dist.train.data import check_samples, held_out, load_digits
+from meta_dist.train.memory import HEADING, PeakMeter, format_memory
 from meta_dist.xp import to_numpy
 
 train_config = {
@@ -109,16 +111,18 @@ def main(argv):
     tcfg = config.train
     xp = array_module_for(config, dctx)
     x, y, x_out, y_out = load_data(config)
+    meter = PeakMeter(xp)
+    meter.reset()  # the peak growth counts from here: the model, the trainer, training
     model = build_cnn(tuple(tcfg.input_shape), tcfg.num_classes, xp, tcfg.dtype,
                       config.dist.seed)
     trainer = Trainer(model, config, context=dctx)
     trainer.fit(x, y, evaluate=None if x_out is None else Accuracy(trainer, x_out, y_out))
-    reports = dctx.connector.allgather(trainer.memory_report())
+    lines = dctx.connector.allgather(format_memory(trainer.predicted_memory(),
+                                                   trainer.memory_report(), meter.growth()))
     if dctx.rank == dctx.root_rank:
-        print("memory per rank (MiB): params / grads / optimizer / buffers / peak process")
-        for rank, r in enumerate(reports):
-            print(f"  rank {rank}: " + " / ".join(
-                f"{r[k] / 2**20:.3f}" for k in ("params", "grads", "optimizer", "buffers", "peak")))
+        print(HEADING)
+        for rank, line in enumerate(lines):
+            print(f"  rank {rank}: {line}")
     dist.shutdown()
     return 0
 

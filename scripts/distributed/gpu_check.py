@@ -133,9 +133,9 @@ def main() -> int:
     steps = {
         "tests": (["-m", "mpi4py", "-m", "pytest", "-q", "-rs", "--color=no", "-p",
                    "no:cacheprovider", *GPU_TESTS], 1800, r"\d+ (passed|failed)"),
-        "collectives": (["scripts/distributed/bench_collectives.py", "--backend", "nccl", *quick],
+        "collectives": (["-m", "meta_dist", "bench", "collectives", "--backend", "nccl", *quick],
                         1800, r"^summary:"),
-        "train": (["scripts/distributed/bench_train.py", "--device", "cuda",
+        "train": (["-m", "meta_dist", "bench", "train", "--device", "cuda",
                    *(["--steps", "4", "--warmup", "1", "--blocks", "2", "--hidden", "256"]
                      if args.quick else []),
                    *(["--torch"] if with_torch else [])], 1800, r"^summary:"),

@@ -126,6 +126,37 @@ def test_memory_pool_accounting(cupy):
     assert not hasattr(pool, "peak_bytes")
 
 
+def test_every_new_array_comes_from_the_current_allocator(cupy):
+    """cupy.cuda.set_allocator / get_allocator / alloc (CuPy docs: an allocator takes a size
+    and returns a MemoryPointer; cupy.cuda.alloc calls the current one; the default is the
+    default pool's malloc). Stricter: set_allocator(None), CuPy's raw cudaMalloc, is not
+    modelled; an allocator returning something else is refused."""
+    pool = cupy.get_default_memory_pool()
+    default = cupy.cuda.get_allocator()
+    asked = []
+
+    def counting(size):
+        asked.append(size)
+        return pool.malloc(size)
+
+    cupy.cuda.set_allocator(counting)
+    try:
+        a = cupy.zeros(300, cupy.float32)
+        b = a + 1  # a result array: new memory too
+        assert asked[:2] == [1200, 1200] and float(b.sum()) == 300.0
+        assert isinstance(cupy.cuda.alloc(64), cupy.cuda.MemoryPointer) and asked[-1] == 64
+        cupy.cuda.set_allocator(lambda size: 5)
+        with pytest.raises(TypeError, match="MemoryPointer"):
+            cupy.empty(4)
+        with pytest.raises(NotImplementedError, match="raw"):
+            cupy.cuda.set_allocator(None)
+        with pytest.raises(TypeError, match="callable"):
+            cupy.cuda.set_allocator(3)
+    finally:
+        cupy.cuda.set_allocator(default)
+    assert cupy.cuda.get_allocator() == default
+
+
 def test_memory_limit_and_out_of_memory(cupy, knobs):
     """MemoryPool.set_limit caps total bytes; past it CuPy frees cached blocks, retries, then
     raises OutOfMemoryError ("Out of memory allocating N bytes (allocated so far: ..."); the

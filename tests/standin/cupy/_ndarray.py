@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from . import _engine, _kernel, _memory
+from .cuda import memory
 from .cuda.memory import Memory, MemoryPointer
 from .cuda.stream import _BaseStream, current_queue
 
@@ -104,8 +105,10 @@ class ndarray:  # noqa: N801 (CuPy's name)
         if order not in ("C", "F"):
             raise ValueError(f"order not understood; got {order!r}, expected 'C' or 'F'")
         nbytes = math.prod(shape) * dt.itemsize
-        if memptr is None:
-            alloc, offset = _memory.allocate(nbytes, current_queue()), 0
+        if memptr is None:  # new memory, from the current allocator (cupy.cuda.alloc)
+            memptr = memory.alloc(nbytes)
+            alloc, offset = memptr.mem._allocation, memptr._offset
+            memptr = None  # the layout checks below are for a caller's memptr
         else:
             alloc, offset = memptr.mem._allocation, memptr._offset
         strides = (contiguous_strides(shape, dt.itemsize, order) if strides is None

@@ -4,7 +4,12 @@ Imports the stand-in's _engine and _memory. Mirrors cupy/cuda/memory.pyx
 (https://docs.cupy.dev/en/stable/reference/generated/cupy.cuda.MemoryPool.html): one pool for
 all devices whose methods answer for the current device; ``used_bytes``, ``total_bytes``,
 ``free_bytes``, ``n_free_blocks``, ``free_all_blocks(stream=None)``, ``set_limit``,
-``get_limit``. CuPy's pool has no peak counter, so neither has this one.
+``get_limit``, ``malloc``. CuPy's pool has no peak counter, so neither has this one. Every new
+array's memory comes from the current allocator (``alloc``; ``set_allocator``,
+``get_allocator``: https://docs.cupy.dev/en/stable/reference/generated/cupy.cuda.set_allocator.html),
+by default the default pool's ``malloc``. Stricter than CuPy: an allocator must return a
+MemoryPointer of at least the size asked for (TypeError/ValueError), and ``set_allocator(None)``
+(CuPy: raw cudaMalloc, no pool) raises NotImplementedError: the stand-in models the pool only.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from typing import Any
 from .. import _engine, _memory
 from .._memory import OutOfMemoryError
 
-__all__ = ["Memory", "MemoryPointer", "MemoryPool", "OutOfMemoryError"]
+__all__ = ["Memory", "MemoryPointer", "MemoryPool", "OutOfMemoryError", "alloc", "get_allocator",
+           "set_allocator"]
 
 
 class Memory:
@@ -114,3 +120,34 @@ _DEFAULT_POOL = MemoryPool()
 def get_default_pool() -> MemoryPool:
     """Return the pool ``cupy.get_default_memory_pool()`` returns."""
     return _DEFAULT_POOL
+
+
+_ALLOCATOR: Any = None  # None: the default pool's malloc (CuPy's default)
+
+
+def set_allocator(allocator: Any = None) -> None:
+    """Make ``allocator`` (size -> MemoryPointer, as ``alloc``) serve every new array."""
+    global _ALLOCATOR
+    if allocator is None:
+        raise NotImplementedError("set_allocator(None) selects CuPy's raw cudaMalloc allocator "
+                                  "(no pool); the stand-in models the memory pool only")
+    if not callable(allocator):
+        raise TypeError(f"set_allocator: the allocator must be callable; got {allocator!r}")
+    _ALLOCATOR = allocator
+
+
+def get_allocator() -> Any:
+    """Return the current allocator."""
+    return _ALLOCATOR if _ALLOCATOR is not None else _DEFAULT_POOL.malloc
+
+
+def alloc(size: int) -> MemoryPointer:
+    """Allocate ``size`` bytes through the current allocator."""
+    pointer = get_allocator()(int(size))
+    if not isinstance(pointer, MemoryPointer):
+        raise TypeError(f"the allocator returned {type(pointer).__name__}, expected a "
+                        "MemoryPointer")
+    if pointer.mem.size - pointer._offset < int(size):
+        raise ValueError(f"the allocator returned {pointer.mem.size - pointer._offset} bytes "
+                         f"for a request of {size}")
+    return pointer

@@ -1,6 +1,6 @@
 """Fusion benchmark: allreduce 200 small float32 arrays one call each, or as one fused list.
 
-    mpirun -np 2 [--bind-to core] python scripts/distributed/bench_fusion.py [--arrays 200]
+    mpirun -np 2 [--bind-to core] python -m meta_dist bench fusion [--arrays 200]
         [--min-numel 100] [--max-numel 5000] [--seed 0] [--rounds 40] [--no-check]
 
 Array sizes are drawn uniformly from [min-numel, max-numel] with a fixed seed (the same on every
@@ -26,16 +26,17 @@ both ranks on one core, and then every exchange waits a whole time slice.
 
 import argparse
 import os
-import sys
 import time
 
 import numpy as np
-from mpi4py import MPI
+
+from meta_dist.lazy_mpi import MPI
 
 
-def parse_args():
+def parse_args(argv):
     """Parse the command line."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="python -m meta_dist bench fusion",
+                                description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arrays", type=int, default=200, help="how many arrays")
     p.add_argument("--min-numel", type=int, default=100)
@@ -45,11 +46,11 @@ def parse_args():
     p.add_argument("--per-block", type=int, default=3, help="passes in one block")
     p.add_argument("--warmup", type=int, default=5, help="untimed passes per variant")
     p.add_argument("--no-check", action="store_true", help="set META_DIST_CHECK=0")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
-def main():
-    args = parse_args()
+def main(argv):
+    args = parse_args(argv)
     if args.no_check:
         os.environ["META_DIST_CHECK"] = "0"  # read when the context's communicator is made
     import meta_dist  # after the flag above, so the default communicator sees it
@@ -135,6 +136,3 @@ def main():
     meta_dist.shutdown()
     return 0 if ok else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

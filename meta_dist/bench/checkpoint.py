@@ -1,8 +1,8 @@
 """Checkpoint benchmark: save and resume time and bytes per rank, beside plain np.save.
 
-    mpirun -np 2 python scripts/distributed/bench_checkpoint.py save DIR [--level 2]
+    mpirun -np 2 python -m meta_dist bench checkpoint save DIR [--level 2]
         [--hidden 2048 --depth 6]
-    mpirun -np 1 python scripts/distributed/bench_checkpoint.py load DIR [--level 0]
+    mpirun -np 1 python -m meta_dist bench checkpoint load DIR [--level 0]
 
 ``save`` builds the MLP 784-H x depth-10 with Adam (22.6M parameters by default), takes one step,
 and times ``Trainer.save_checkpoint`` (every rank writes its shard at once, with checksums);
@@ -13,33 +13,33 @@ ranks, best of --repeat.
 """
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from mpi4py import MPI
 
 from meta_dist import distributed as dist
 from meta_dist.config import load_config
+from meta_dist.lazy_mpi import MPI
 from meta_dist.nn.layers import Linear, ReLU
 from meta_dist.nn.model import Sequential
 from meta_dist.train import Trainer
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m meta_dist bench checkpoint",
+                                description=__doc__.splitlines()[0])
     p.add_argument("mode", choices=("save", "load"))
     p.add_argument("dir")
     p.add_argument("--level", type=int, default=2)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--repeat", type=int, default=3)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
-def main():
-    args = parse_args()
+def main(argv):
+    args = parse_args(argv)
     context = dist.get_context()
     world = MPI.COMM_WORLD
     rng = np.random.default_rng(0)
@@ -89,6 +89,3 @@ def main():
     dist.shutdown()
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """nccl-tests-style time and bandwidth of meta_dist's collectives beside the raw library call.
 
-    mpirun -np 2 [--bind-to core] python scripts/distributed/bench_collectives.py [--min-bytes 4096]
+    mpirun -np 2 [--bind-to core] python -m meta_dist bench collectives [--min-bytes 4096]
         [--max-bytes 67108864] [--factor 4] [--dtype float32] [--ops allreduce,broadcast]
         [--no-check] [--check-cost] [--backend mpi|nccl] [--new-arrays]
 
@@ -24,14 +24,13 @@ both ranks on one core, and then every exchange waits a whole time slice.
 """
 
 import argparse
-import sys
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 from meta_dist.comm import make_communicator
 from meta_dist.connector import MPIConnector
+from meta_dist.lazy_mpi import MPI
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "sendrecv")
 BUS_FACTOR = {"allreduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
@@ -158,9 +157,10 @@ def measure(world, calls, args):
     return {name: world.allreduce(float(np.median(s)), op=MPI.MAX) for name, s in samples.items()}
 
 
-def parse_args():
+def parse_args(argv):
     """Parse the command line."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="python -m meta_dist bench collectives",
+                                description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--min-bytes", type=int, default=4096)
     p.add_argument("--max-bytes", type=int, default=64 * 2**20)
@@ -179,15 +179,15 @@ def parse_args():
     p.add_argument("--blocks", type=int, default=5, help="timed blocks per variant and size")
     p.add_argument("--block-ms", type=float, default=60.0, help="target length of one block")
     p.add_argument("--max-iters", type=int, default=400, help="most calls in one block")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.ops = args.ops.split(",")
     if not set(args.ops) <= set(OPS) or args.factor < 2:
         p.error(f"--ops must name some of {', '.join(OPS)}; --factor must be >= 2")
     return args
 
 
-def main():
-    args = parse_args()
+def main(argv):
+    args = parse_args(argv)
     world = MPI.COMM_WORLD.Dup()  # the raw calls' own communicator
     rank, size = world.rank, world.size
     connector = MPIConnector()
@@ -269,6 +269,3 @@ def main():
     world.Free()
     return 1 if wrong else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

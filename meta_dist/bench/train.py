@@ -1,6 +1,6 @@
 """Training benchmark: the reference MLP, or a GPT, at ZeRO levels 0-3 (and PyTorch).
 
-    mpirun -np 2 [--bind-to core] python scripts/distributed/bench_train.py [--levels 0,1,2,3]
+    mpirun -np 2 [--bind-to core] python -m meta_dist bench train [--levels 0,1,2,3]
         [--steps 30] [--warmup 5] [--blocks 5] [--overlap | --no-overlap] [--bucket-mb 25]
         [--hidden 1024 | --big | --xl] [--depth 2] [--precision fp32|fp16|bf16]
         [--no-reshard] [--nonfinite ...] [--torch]
@@ -22,8 +22,9 @@ the levels' communication volumes compare (levels 1 and 2 move DP's bytes, level
 many).
 
 Fairness: numpy's BLAS and torch both use ONE thread per rank: OMP_NUM_THREADS,
-OPENBLAS_NUM_THREADS and MKL_NUM_THREADS are set to 1 at the top of this file, before numpy is
-imported, and torch.set_num_threads(1).
+OPENBLAS_NUM_THREADS and MKL_NUM_THREADS are set to 1 before MPI and torch start (numpy's
+OpenBLAS, loaded already, through its own setter: ``blas_threads.use_threads``), and
+torch.set_num_threads(1).
 
 Method: every variant is built first; around its build and warmup steps the process's peak RSS
 is reset (Linux /proc/self/clear_refs) so "peak" is the RSS high-water mark above the RSS before
@@ -37,30 +38,27 @@ On a busy machine pass ``--bind-to core`` (Open MPI): unbound, the scheduler can
 both ranks on one core, and then every exchange waits a whole time slice.
 """
 
+import argparse
+import gc
 import os
+import resource
+import socket
+import time
+from pathlib import Path
 
-for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ[_var] = "1"  # must precede the numpy import: BLAS reads it when it loads
+import numpy as np
 
-import argparse  # noqa: E402 - the environment above must be set first
-import gc  # noqa: E402
-import resource  # noqa: E402
-import socket  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
-
-from meta_dist import distributed as dist  # noqa: E402
-from meta_dist.config import load_config  # noqa: E402
-from meta_dist.models import gpt  # noqa: E402
-from meta_dist.nn.layers import Linear, ReLU  # noqa: E402
-from meta_dist.nn.losses import cross_entropy_tokens, softmax_cross_entropy  # noqa: E402
-from meta_dist.nn.model import Sequential  # noqa: E402
-from meta_dist.train import Trainer, array_module_for, synthetic_classification  # noqa: E402
-from meta_dist.train.data import char_corpus, windows  # noqa: E402
+from meta_dist import blas_threads
+from meta_dist import distributed as dist
+from meta_dist.bench.plot import check_plotting, plot_memory
+from meta_dist.config import load_config
+from meta_dist.lazy_mpi import MPI
+from meta_dist.models import gpt
+from meta_dist.nn.layers import Linear, ReLU
+from meta_dist.nn.losses import cross_entropy_tokens, softmax_cross_entropy
+from meta_dist.nn.model import Sequential
+from meta_dist.train import Trainer, array_module_for, synthetic_classification
+from meta_dist.train.data import char_corpus, windows
 
 BATCHES, SEED = 8, 0
 MIB = 2**20
@@ -129,7 +127,7 @@ class GPTWorkload:
         x, y = windows(ids, self.block_size)
         need = BATCHES * self.global_batch
         if len(x) < need:
-            raise SystemExit(f"bench_train: the corpus has {len(x)} windows of "
+            raise SystemExit(f"bench train: the corpus has {len(x)} windows of "
                              f"{self.block_size}; --batch {self.global_batch} needs {need}")
         self.x, self.y = np.ascontiguousarray(x[:need]), np.ascontiguousarray(y[:need])
         self.config = {}
@@ -251,9 +249,10 @@ def start_torch(world, device):
                                          rank=world.rank, world_size=world.size)
 
 
-def parse_args():
+def parse_args(argv):
     """Parse the command line."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="python -m meta_dist bench train",
+                                description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--levels", default="0,1,2,3", help="ZeRO levels to run, e.g. 0,2 or 3")
     p.add_argument("--steps", type=int, default=30, help="timed steps per variant")
@@ -286,10 +285,16 @@ def parse_args():
                    help="level 3's reshard_after_forward (and FSDP FULL_SHARD vs SHARD_GRAD_OP)")
     p.add_argument("--torch", action="store_true",
                    help="also run PyTorch DDP, DDP + ZeroRedundancyOptimizer and FSDP")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="draw each meta_dist level's memory per rank (stacked: params, grads, "
+                        "optimizer, buffers; with the measured peak) into FILE (needs the "
+                        "bench extra's matplotlib)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: meta_dist on CuPy (NCCL where usable) and torch on the GPU "
                         "(nccl process group)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.plot and check_plotting():
+        p.error(check_plotting())
     args.levels = [int(level) for level in args.levels.split(",") if level]
     try:
         args.gpt = tuple(int(n) for n in args.gpt.split(","))
@@ -301,8 +306,9 @@ def parse_args():
     return args
 
 
-def main():
-    args = parse_args()
+def main(argv):
+    args = parse_args(argv)
+    blas_threads.use_threads(1)  # before MPI: the connector then leaves the count alone
     dist.get_context()  # meta_dist up before torch, so its communicators come first
     world = MPI.COMM_WORLD.Dup()
     rank, size = world.rank, world.size
@@ -391,10 +397,15 @@ def main():
         if z3 and fsdp:
             parts.append(f"ZeRO-3 = {fsdp / z3:.2f}x torch FSDP's speed")
         print("summary: " + ("; ".join(parts) or "(needs level 0, and --torch for the DDP ratio)"))
+        if args.plot:
+            bars = {name.replace("meta_dist ", ""): {**{k: r["report"][k] / MIB for k in
+                                                        ("params", "grads", "optimizer",
+                                                         "buffers")}, "peak": r["peak"]}
+                    for name, r in runs.items() if r["report"]}
+            plot_memory(bars, args.plot, f"{work.describe()} ({params / 1e6:.2f}M params), "
+                        f"Adam {args.precision}, {size} ranks: memory per rank")
+            print(f"memory plot: {args.plot}")
     world.Free()
     dist.shutdown()
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

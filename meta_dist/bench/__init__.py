@@ -1,0 +1,29 @@
+"""The benchmarks, behind one entry point: ``mpirun -np N python -m meta_dist bench NAME ...``.
+
+    collectives   time and bus bandwidth of each collective beside the raw library call
+    fusion        200 small arrays allreduced as one fused list beside one raw call each
+    train         the reference MLP or a GPT at ZeRO levels 0-3, beside PyTorch (--torch)
+    checkpoint    save and resume time and bytes per rank, beside plain np.save
+
+``python -m meta_dist bench NAME --help`` gives each one's options. Benchmarks print numbers;
+tests never time anything (tests/test_bench.py runs each one briefly for its exit status).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+NAMES = ("collectives", "fusion", "train", "checkpoint")
+
+
+def main(argv: list[str]) -> int:
+    """Run the benchmark ``argv[0]`` names with the options after it."""
+    if not argv or argv[0] not in NAMES:
+        said = f"unknown benchmark {argv[0]!r}; " if argv and argv[0] not in ("-h", "--help") \
+            else ""
+        print(f"python -m meta_dist bench: {said}usage: python -m meta_dist bench "
+              f"{{{'|'.join(NAMES)}}} [options] (--help after a name lists its options)",
+              file=sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    return importlib.import_module(f"meta_dist.bench.{argv[0]}").main(argv[1:])

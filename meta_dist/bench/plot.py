@@ -1,0 +1,49 @@
+"""``bench train --plot FILE``: each level's memory per rank as stacked bars, the peak beside.
+
+matplotlib comes with the ``bench`` extra only (pip install -e '.[bench]'); nothing else in
+meta_dist needs it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+PARTS = (("params", "#4c72b0"), ("grads", "#dd8452"), ("optimizer", "#55a868"),
+         ("buffers", "#c44e52"))
+MIB = 2**20
+
+
+def check_plotting() -> str | None:
+    """Return why plotting cannot work here (no matplotlib), or None."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return ("--plot needs matplotlib, which comes with the bench extra: "
+                "pip install -e '.[bench]'")
+    return None
+
+
+def plot_memory(bars: dict[str, dict[str, float]], path: str, title: str) -> None:
+    """Draw ``bars`` (variant -> MiB of params, grads, optimizer, buffers, and measured
+    ``peak``) as stacked bars with the measured peak growth as a marker; write ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    names = list(bars)
+    figure, axes = plt.subplots(figsize=(1.6 * len(names) + 4.0, 4.2))
+    bottoms = [0.0] * len(names)
+    for part, colour in PARTS:
+        heights = [bars[name][part] for name in names]
+        axes.bar(names, heights, bottom=bottoms, color=colour, label=part, width=0.6)
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    for x, name in enumerate(names):
+        axes.text(x, bottoms[x] * 0.98, f"{bottoms[x]:.0f}", ha="center", va="top", fontsize=8,
+                  color="white")
+    axes.scatter(names, [bars[name]["peak"] for name in names], marker="_", s=900,
+                 color="black", zorder=3, label="peak RSS growth (measured)")
+    axes.set_ylabel("MiB per rank")
+    axes.set_title(title, fontsize=9)
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
