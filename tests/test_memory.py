@@ -2,11 +2,14 @@
 
 Each rank's peak RSS growth over building the model, building the trainer and three Adam steps
 must stay within 5% + one bucket of the model state its level promises (DESIGN.md: 4P, 2P +
-2P/N, P + 3P/N, 4P/N for P bytes of float32 parameters; level 3 adds its working set, the
-gather buffer of the largest layer), and fall level by level. The model is the one the memory
-issue was measured on (20.4M parameters, P = 78 MiB); its 3000 x 3000 layers (34 MiB) are
-larger than the 4 MiB bucket, so they must be reduced in pieces, and at level 3 they are what
-the gather buffer holds: the hardest case for level 3 against level 2 (few, large layers).
+2P/N, P + 3P/N, 4P/N for P bytes of float32 parameters), and fall level by level. Level 3's
+working set is a bucket per kind of buffer: the gradient staging, the piece of a large layer
+being gathered, and the gather of the layers read whole (small ones here), so its bound is
+three buckets. The model is the one the memory issue was measured on (20.4M parameters, P = 78
+MiB); its 3000 x 3000 layers (34 MiB) are larger than the 4 MiB bucket, so they must be reduced
+and, at level 3, gathered in pieces (gathered whole they added 34 MiB: 119 MiB at 4 ranks
+against a bound of 90), and level 3 must not copy the whole model beside the user's (that
+added the largest layer again while the copy was made).
 """
 
 import re
@@ -15,7 +18,6 @@ import pytest
 from mpirun import run
 
 DIMS, BUCKET_MB = "784-3000-3000-3000-10", 4.0
-LARGEST_LAYER_MIB = (3000 * 3000 + 3000) * 4 / 2**20
 
 
 def measure(ranks, level):
@@ -35,8 +37,8 @@ def test_each_level_holds_what_its_formula_says(ranks):
         rows = measure(ranks, level)
         for peak, promise, report, buffers in rows:
             working = BUCKET_MB
-            if level == 3:  # staging and the gather buffer(s), each the largest layer at most
-                assert buffers <= BUCKET_MB + 2 * LARGEST_LAYER_MIB + 0.01, buffers
+            if level == 3:  # staging, a large layer's piece, the gather of the small layers
+                assert buffers <= 3 * BUCKET_MB + 0.01, buffers
                 working = buffers
             bound = promise * 1.05 + working
             assert peak <= bound, (f"level {level} at {ranks} ranks: peak RSS growth {peak:.1f} "

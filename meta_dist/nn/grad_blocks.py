@@ -1,4 +1,4 @@
-"""GradBlocks: a parameter gradient handed over in row blocks, and ``write_grad`` for layers.
+"""GradBlocks and ParamBlocks: a parameter's gradient, or the parameter itself, in row blocks.
 
 Leaf module: imports nothing of meta_dist; ``nn.layers`` writes through it and ``zero.stages``
 makes the blocks. A layer's backward normally writes each parameter gradient into the array
@@ -7,6 +7,10 @@ GradBlocks there: it then computes the gradient a block of rows at a time (top r
 the arrays the blocks give it, so the whole gradient never exists at once, and the owner of the
 blocks learns as each one is written. A parameter tied to later layers (weight tying) carries
 their gradients as ``extra``: each block adds their rows before it counts as written.
+
+ParamBlocks is the same for reading: at ZeRO level 3 a layer larger than a bucket may find one
+in ``params[name]`` and read the parameter a block of rows at a time (each block gathered as it
+is asked for), so the whole parameter is never gathered at once (``read_rows``).
 """
 
 from __future__ import annotations
@@ -58,3 +62,33 @@ def write_grad(grad: Any, rows_into: RowsInto) -> None:
                 out += other[first:stop] if other.ndim else other
     else:
         rows_into(0, grad.shape[0] if grad.ndim else 1, grad)
+
+
+class ParamBlocks:
+    """A parameter as row blocks, each fetched by its owner when the layer asks for it.
+
+    Args:
+        shape: the parameter's shape (rows along axis 0; a vector's rows are its elements).
+        spans: ``(first_row, stop_row)`` of each block, lowest rows first.
+        fetch: returns a block's values, shaped like its rows; valid until the next fetch.
+    """
+
+    def __init__(self, shape: tuple[int, ...], spans: list[tuple[int, int]],
+                 fetch: Callable[[int, int], Any]) -> None:
+        self.shape = tuple(shape)
+        self.spans = spans
+        self._fetch = fetch
+
+    def blocks(self) -> Iterator[tuple[int, int, Any]]:
+        """Yield ``(first_row, stop_row, values)`` for each block, lowest rows first."""
+        for first, stop in self.spans:
+            yield first, stop, self._fetch(first, stop)
+
+
+def read_rows(param: Any) -> Iterator[tuple[int, int, Any]]:
+    """Yield a parameter as ``(first_row, stop_row, values)`` blocks: a ParamBlocks' blocks,
+    or an array whole (one block)."""
+    if isinstance(param, ParamBlocks):
+        yield from param.blocks()
+    else:
+        yield 0, (param.shape[0] if param.ndim else 1), param

@@ -15,7 +15,7 @@ import types
 
 import numpy as np
 
-from meta_dist.nn.grad_blocks import write_grad
+from meta_dist.nn.grad_blocks import ParamBlocks, read_rows, write_grad
 from meta_dist.xp import array_module
 
 GELU_TANH_COEF = math.sqrt(2.0 / math.pi)
@@ -177,6 +177,7 @@ class Linear(Layer):
     """
 
     grad_rows = True
+    param_rows = True  # forward and backward read a ParamBlocks weight block by block
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
                  rng: np.random.Generator, dtype=np.float32, xp: types.ModuleType = np) -> None:
@@ -215,9 +216,20 @@ class Linear(Layer):
         self.x = x
         # one 2-D product: BLAS sees every row at once, where numpy would run a 3-D @ 2-D
         # product block by block (`bench train --model gpt` shows the difference)
-        out = x.reshape(-1, self.in_features) @ self.params["weight"]
-        if "bias" in self.params:
-            out += self.params["bias"]  # in place: no second output-sized array
+        x2, weight = x.reshape(-1, self.in_features), self.params["weight"]
+        if isinstance(weight, ParamBlocks):  # ZeRO-3, a layer larger than a bucket
+            out = None
+            for first, stop, w in weight.blocks():  # x @ W = sum of x[:, rows] @ W[rows]
+                part = x2[:, first:stop] @ w
+                if out is None:
+                    out = part
+                else:
+                    out += part
+        else:
+            out = x2 @ weight
+        if "bias" in self.params:  # in place: no second output-sized array
+            for first, stop, b in read_rows(self.params["bias"]):
+                out[:, first:stop] += b
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def backward(self, dout):
@@ -234,7 +246,13 @@ class Linear(Layer):
                        lambda first, stop, out: d2[:, first:stop].sum(axis=0, out=out))
         if not self.input_grad:
             return None
-        return (d2 @ self.params["weight"].T).reshape(*dout.shape[:-1], self.in_features)
+        weight = self.params["weight"]
+        if not isinstance(weight, ParamBlocks):
+            return (d2 @ weight.T).reshape(*dout.shape[:-1], self.in_features)
+        dx = array_module(d2).empty((d2.shape[0], self.in_features), d2.dtype)
+        for first, stop, w in weight.blocks():  # dx[:, rows] = dout @ W[rows].T
+            dx[:, first:stop] = d2 @ w.T
+        return dx.reshape(*dout.shape[:-1], self.in_features)
 
 
 class Conv2d(Layer):

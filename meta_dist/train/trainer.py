@@ -178,7 +178,8 @@ class Trainer:
         cap = max(1, int(dcfg.bucket_size_mb * 2**20) // self.work_dtype.itemsize)
         size = stage_cls.bucket_numel(cap, sum(self.model.layer_numels()), self.overlap)
         flat = FlatModel(self.model, size, self.context.size, self.xp, self.work_dtype,
-                         master_dtype=dtype, isolate_cut_layers=stage_cls.gathers_params)
+                         master_dtype=dtype, isolate_cut_layers=stage_cls.gathers_params,
+                         materialize=not stage_cls.gathers_params)  # level 3 keeps shards only
         self._one_model(flat)
         hyper = {k: getattr(tcfg, k) for k in OPTIMIZER_KEYS[tcfg.optimizer]}
 

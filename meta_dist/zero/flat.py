@@ -37,6 +37,10 @@ class FlatModel:
             parameters made from the model's own values before they are rounded to ``dtype``
             (a ZeRO stage keeps its shard of it); None when it would equal ``dtype``.
         isolate_cut_layers: see ``partition.plan`` (ZeRO-3 asks for it).
+        materialize: build ``flat_params`` (and ``master``). False (ZeRO-3): they read the
+            layers' own arrays a slice at a time (``LayerValues``), so a stage that keeps only
+            shards never holds a full copy beside the model (``release_below`` then frees the
+            layers as their shards are taken).
 
     Raises:
         ValueError: one layer object appears twice in the model, or a tied parameter's owner
@@ -44,7 +48,8 @@ class FlatModel:
     """
 
     def __init__(self, model: Sequential, bucket_numel: int, world: int, xp: Any,
-                 dtype: Any, master_dtype: Any = None, isolate_cut_layers: bool = False) -> None:
+                 dtype: Any, master_dtype: Any = None, isolate_cut_layers: bool = False,
+                 materialize: bool = True) -> None:
         self.model, self.xp, self.dtype = model, xp, xp.dtype(dtype)
         layers = model.layers
         self.ties = find_ties(layers)
@@ -56,16 +61,20 @@ class FlatModel:
              for i, layer in enumerate(layers)],
             bucket_numel, world, splittable, isolate_cut_layers)
         mixed = master_dtype is not None and xp.dtype(master_dtype) != self.dtype
-        first = xp.zeros(self.buckets[-1].stop, master_dtype if mixed else dtype)
-        for slot in self.slots:  # one at a time: the layer's own array is freed as it goes
-            view = self.view(first, slot)
-            view[...] = layers[slot.layer].params[slot.name]
-            layers[slot.layer].params[slot.name] = view
-        self.master = first if mixed else None
-        self.flat_params = first.astype(self.dtype) if mixed else first
-        if mixed:
-            for slot in self.slots:
-                layers[slot.layer].params[slot.name] = self.view(self.flat_params, slot)
+        if not materialize:
+            self.flat_params: Any = LayerValues(self, self.dtype)
+            self.master: Any = LayerValues(self, xp.dtype(master_dtype)) if mixed else None
+        else:
+            first = xp.zeros(self.buckets[-1].stop, master_dtype if mixed else dtype)
+            for slot in self.slots:  # one at a time: the layer's own array is freed as it goes
+                view = self.view(first, slot)
+                view[...] = layers[slot.layer].params[slot.name]
+                layers[slot.layer].params[slot.name] = view
+            self.master = first if mixed else None
+            self.flat_params = first.astype(self.dtype) if mixed else first
+            if mixed:
+                for slot in self.slots:
+                    layers[slot.layer].params[slot.name] = self.view(self.flat_params, slot)
         self.bind_ties()
         self.tie_grads: dict[tuple[int, str], list[Any]] = {}  # owner -> the later uses' grads
         for tie in self.ties:
@@ -92,6 +101,26 @@ class FlatModel:
     def buckets_between(self, begin: int, end: int) -> list[Bucket]:
         """Return the buckets overlapping flat elements ``[begin, end)``, lowest first."""
         return [b for b in self.buckets if b.start < end and begin < b.stop]
+
+    def row_spans(self, slot: Slot) -> list[tuple[int, int, Bucket]]:
+        """Return ``(first_row, stop_row, bucket)`` for each bucket ``slot`` lies in, lowest
+        first (a cut layer is cut between rows)."""
+        spans = []
+        for bucket in self.buckets_between(slot.offset, slot.offset + slot.numel):
+            first = max(bucket.start - slot.offset, 0) // slot.row
+            stop = -(-min(bucket.stop - slot.offset, slot.numel) // slot.row)
+            spans.append((first, stop, bucket))
+        return spans
+
+    def release_below(self, offset: int, placeholder: Any) -> None:
+        """Point every parameter that lies wholly below flat ``offset`` at ``placeholder``
+        (a scalar broadcast to its shape), dropping the layer's own array."""
+        layers = self.model.layers
+        for slot in self.slots:
+            if slot.offset + slot.numel <= offset:
+                layers[slot.layer].params[slot.name] = self.xp.broadcast_to(placeholder,
+                                                                            slot.shape)
+        self.bind_ties()
 
     def bind_ties(self, layers: set[int] | None = None) -> None:
         """Give the later uses of tied parameters the owner's current parameter views
@@ -121,17 +150,45 @@ class FlatModel:
         """
         grads = self.model.layers[layer].grads
         for slot in self.layer_slots.get(layer, ()):
-            spans = []
-            for bucket in reversed(self.buckets_between(slot.offset, slot.offset + slot.numel)):
-                first = max(bucket.start - slot.offset, 0) // slot.row
-                stop = -(-min(bucket.stop - slot.offset, slot.numel) // slot.row)
-                spans.append((first, stop, bucket))
+            spans = self.row_spans(slot)[::-1]  # backward writes the highest offsets first
             by_rows = {(first, stop): bucket for first, stop, bucket in spans}
             grads[slot.name] = GradBlocks(
                 slot.shape, [(first, stop) for first, stop, _ in spans],
                 lambda first, stop, s=slot, b=by_rows: target(b[(first, stop)], s, first, stop),
                 lambda first, stop, s=slot: written(s.offset + first * s.row),
                 tuple(self.tie_grads.get((layer, slot.name), ())))
+
+
+class LayerValues:
+    """The flat buffer's values, read from the layers' own arrays a slice at a time.
+
+    Stands for ``flat_params`` (or ``master``) where none is materialised: ``values[a:b]`` is a
+    new array of flat elements ``[a, b)`` in ``dtype`` (padding zero), ``values[a:b] = x``
+    writes them back into the layers. ``size`` is the flat buffer's.
+    """
+
+    def __init__(self, flat: FlatModel, dtype: Any) -> None:
+        self.flat, self.dtype = flat, dtype
+        self.size = flat.buckets[-1].stop
+
+    def _pieces(self, part: slice) -> list[tuple[Slot, int, int]]:
+        return [(s, max(part.start, s.offset), min(part.stop, s.offset + s.numel))
+                for s in self.flat.slots
+                if s.offset < part.stop and part.start < s.offset + s.numel]
+
+    def __getitem__(self, part: slice) -> Any:
+        out = self.flat.xp.zeros(part.stop - part.start, self.dtype)
+        layers = self.flat.model.layers
+        for slot, lo, hi in self._pieces(part):
+            source = layers[slot.layer].params[slot.name].reshape(-1)
+            out[lo - part.start : hi - part.start] = source[lo - slot.offset : hi - slot.offset]
+        return out
+
+    def __setitem__(self, part: slice, values: Any) -> None:
+        layers = self.flat.model.layers
+        for slot, lo, hi in self._pieces(part):
+            target = layers[slot.layer].params[slot.name].reshape(-1)  # a view: contiguous
+            target[lo - slot.offset : hi - slot.offset] = values[lo - part.start : hi - part.start]
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ DESIGN.md's model-state table (fp32 Adam: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ
 for any dtype and optimizer, with the plan's padding (Ψ is the padded element count, Ψ/N a
 rank's shard of every bucket), plus the buffers the plan implies: staging (one bucket, two
 with overlap), level 2's local gradient while micro-batches add up, level 3's gather buffers
-(the largest layer's group, two with overlap; the whole model without resharding).
+(the largest group gathered whole, two with overlap; the whole model without resharding) and
+piece buffers (a bucket, two with overlap) for the layers it streams by rows.
 
 ``predict`` reads only sizes and settings, never the arrays a stage allocated, so it is an
 account to hold ``ZeroStage.memory_report`` (what the arrays hold) against: a buffer the plan
@@ -44,9 +45,13 @@ def predict(stage: Any) -> dict[str, int]:
     if level == 3:
         if stage.keep:  # forward's gathers stay for backward: one buffer, the whole model
             buffers += full
-        else:
-            groups = max(g["stop"] - g["start"] for g in stage.groups)
-            buffers += (2 if stage.overlap else 1) * groups
+        else:  # whole groups in gather buffers; streamed layers a bucket at a time
+            copies = 2 if stage.overlap else 1
+            whole = [g for i, g in enumerate(stage.groups) if i not in stage.streamed]
+            buffers += copies * max((g["stop"] - g["start"] for g in whole), default=0)
+            if stage.streamed:
+                buffers += copies * max(b.padded_size for i in stage.streamed
+                                        for b in stage.groups[i]["buckets"])
     return {"params": (shard if level == 3 else full) * item + owned * master,
             "grads": (shard if level >= 2 else full) * item,
             "optimizer": owned * stage.optimizer.state_bytes_per_element(),

@@ -1,4 +1,4 @@
-"""ZeroStage0..2: one class per ZeRO level, in order of increasing sharding.
+"""ZeroStage0..2: one class per ZeRO level, in order of increasing sharding (3: stage3.py).
 
 Imports meta_dist.optim and meta_dist.zero.flat (meta_dist.comm.base for type hints only).
 A stage owns the gradient buffers, the fp32 master copy under mixed precision, and the
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from meta_dist.optim import Optimizer
 from meta_dist.xp import to_numpy
-from meta_dist.zero.flat import FlatModel
+from meta_dist.zero.flat import FlatModel, LayerValues
 from meta_dist.zero.partition import Bucket, Slot, bucket_numel
 
 if TYPE_CHECKING:  # the interface only; importing comm would start MPI
@@ -519,174 +519,6 @@ class ZeroStage2(ZeroStage1):
         return report
 
 
-class ZeroStage3(ZeroStage2):
-    """ZeRO-3: the parameters are sharded too; each group of buckets is gathered just in time.
-
-    Between steps a rank holds only its shard of every bucket: parameters, gradients and
-    optimizer state. Forward gathers a layer's buckets (one allgather each) into a gather
-    buffer just before the layer runs; backward does the same from the last layer down, then
-    reduce-scatters the gradients as level 2 does. A group is the buckets one layer spans
-    (``zero.partition`` may cut a large layer), so a gather buffer holds the largest layer.
-    With overlap, a second buffer receives the next group on the communication thread while
-    the current one computes (FSDP2's prefetch); without it, a gather could only wait, so one
-    buffer serves. With ``reshard_after_forward`` off, the gather buffer is the whole model:
-    forward's gathers stay for backward (no second allgather, level 2's parameter memory).
-    Memory: 16Ψ/N of model state (fp32 Adam), plus the gather buffer(s) and the staging.
-    """
-
-    level = 3
-    gathers_params = True  # zero.partition gives a cut layer buckets of its own
-
-    def __init__(self, flat: FlatModel, comm: Communicator, make_optimizer: OptimizerFactory,
-                 overlap: bool = True, accumulate: int = 1,
-                 reshard_after_forward: bool = True) -> None:
-        super().__init__(flat, comm, make_optimizer, overlap, accumulate)
-        xp, buckets = flat.xp, flat.buckets
-        self.params_shard = xp.zeros(sum(b.shard_size for b in buckets), flat.dtype)
-        for bucket in buckets:  # keep this rank's shard of the working copy, drop the rest
-            self._param_shard(bucket)[...] = flat.flat_params[bucket.shard(self.rank)]
-        self.groups = _groups(flat)
-        self.group_of = {layer: g for g, group in enumerate(self.groups)
-                         for layer in group["layers"]}
-        for tie in flat.ties:  # a later use of a tied parameter reads its owner's group
-            if tie.layer in self.group_of and self.group_of[tie.layer] != self.group_of[
-                    tie.owner]:
-                raise ValueError(
-                    f"ZeRO-3: layer {tie.layer} ({type(flat.model.layers[tie.layer]).__name__}) "
-                    f"has parameters of its own and {tie.name!r} tied to layer {tie.owner}'s, "
-                    "and level 3 gathers one layer's parameters at a time; tie whole layers "
-                    "(all of a later layer's parameters tied, as a GPT's output head), or use "
-                    "zero_opt_level 2")
-            self.group_of[tie.layer] = self.group_of[tie.owner]
-        self.keep = not reshard_after_forward
-        size = flat.flat_params.size if self.keep else max(
-            g["stop"] - g["start"] for g in self.groups)
-        buffers = 2 if overlap and not self.keep else 1
-        self._gather = [xp.zeros(size, flat.dtype) for _ in range(buffers)]
-        self._held: list[set[int]] = [set() for _ in self._gather]  # groups each buffer holds
-        self._arriving: dict[int, list[Handle]] = {}  # buffer -> its allgathers in flight
-        self._active: int | None = None  # the buffer the layers now read
-        flat.flat_params = None  # the full working copy is gone; layers see gather buffers
-        self._unbind()
-
-    def _unbind(self) -> None:
-        """Point every layer's parameters at NaN placeholders until a gather binds them.
-
-        Between steps the values live in the shards only (``Trainer.parameters()`` gathers
-        them); a layer run outside forward and backward would compute NaN, not stale values.
-        """
-        xp = self.flat.xp
-        nan = xp.full((), xp.nan, self.flat.dtype)
-        for slot in self.flat.slots:
-            self.flat.model.layers[slot.layer].params[slot.name] = xp.broadcast_to(nan, slot.shape)
-        self.flat.bind_ties()
-
-    def _param_shard(self, bucket: Bucket) -> Any:
-        start = self._shard_start[bucket.index]
-        return self.params_shard[start : start + bucket.shard_size]
-
-    def _owned_working(self) -> list[Any]:
-        return [self._param_shard(b) for b in self.flat.buckets]
-
-    def _after_update(self) -> None:
-        """The shards changed: nothing gathered before the update is current any more."""
-        self._settle_gathers()
-        self._held = [set() for _ in self._gather]
-        self._active = None
-        self._unbind()
-
-    def _settle_gathers(self) -> None:
-        for which in list(self._arriving):
-            for handle in self._arriving.pop(which):
-                handle.wait()
-
-    def full_params(self) -> Any:
-        """Return a new full working copy of the parameters (allgathers). Collective."""
-        full = self.flat.xp.zeros(self.flat.buckets[-1].stop, self.flat.dtype)
-        for bucket in self.flat.buckets:
-            self.comm.allgather(self._param_shard(bucket), out=full[bucket.whole])
-        return full
-
-    def attach(self) -> None:
-        """Install the backward hooks and the forward hook that gathers parameters."""
-        super().attach()
-        self.flat.model.before_forward = self._before_forward
-
-    def _before_forward(self, layer: int) -> None:
-        group = self.group_of.get(layer)
-        if group is not None:
-            self._use(group, group + 1)
-
-    def _before_layer(self, layer: int) -> None:
-        group = self.group_of.get(layer)
-        if group is not None:
-            self._use(group, group - 1)
-        super()._before_layer(layer)
-
-    def _use(self, group: int, upcoming: int) -> None:
-        """Make ``group``'s parameters the layers' (gathering them unless held); prefetch."""
-        which = self._buffer_of(group)
-        if which is None:
-            which = self._start_gather(group)
-        for handle in self._arriving.pop(which, []):
-            handle.wait()
-        self._active = which
-        base = 0 if self.keep else self.groups[group]["start"]
-        for layer in self.groups[group]["layers"]:
-            params = self.flat.model.layers[layer].params
-            for slot in self.flat.layer_slots[layer]:
-                params[slot.name] = self.flat.view(self._gather[which], slot, base)
-        self.flat.bind_ties(set(self.groups[group]["layers"]))
-        prefetch = self.keep or len(self._gather) > 1  # else the one buffer is in use
-        if prefetch and 0 <= upcoming < len(self.groups) and self._buffer_of(upcoming) is None:
-            self._start_gather(upcoming)
-
-    def _buffer_of(self, group: int) -> int | None:
-        return next((i for i, held in enumerate(self._held) if group in held), None)
-
-    def _start_gather(self, group: int) -> int:
-        """Start the allgathers of ``group`` into a buffer the layers are not reading.
-
-        With one buffer, that is the only one: the layer that read it has finished.
-        """
-        which = next((i for i in range(len(self._gather)) if i != self._active), 0)
-        for handle in self._arriving.pop(which, []):  # what it gathered before must land first
-            handle.wait()
-        gather = self._gather[which]
-        base = 0 if self.keep else self.groups[group]["start"]
-        handles = []
-        for bucket in self.groups[group]["buckets"]:
-            out, send = gather[bucket.start - base : bucket.stop - base], self._param_shard(bucket)
-            handle = self._run("allgather", send, out=out)
-            if handle is not None:
-                handles.append(handle)
-        self._arriving[which] = handles
-        self._held[which] = self._held[which] | {group} if self.keep else {group}
-        return which
-
-    def memory_report(self) -> dict[str, int]:
-        """See ``ZeroStage.memory_report``; the gather buffers count as buffers."""
-        report = super().memory_report()
-        report["buffers"] += int(sum(g.nbytes for g in self._gather))
-        return report
-
-
-def _groups(flat: FlatModel) -> list[dict[str, Any]]:
-    """Group the buckets so that no layer spans two groups, in flat order (level 3's unit)."""
-    groups: list[dict[str, Any]] = []
-    for layer in sorted(flat.layer_buckets):
-        buckets = flat.layer_buckets[layer]
-        if groups and buckets[0].index <= groups[-1]["buckets"][-1].index:
-            group = groups[-1]  # shares a bucket with the group below: the same group
-            group["layers"].append(layer)
-            group["buckets"] += [b for b in buckets if b.index > group["buckets"][-1].index]
-        else:
-            groups.append({"layers": [layer], "buckets": list(buckets)})
-    for group in groups:
-        group["start"], group["stop"] = group["buckets"][0].start, group["buckets"][-1].stop
-    return groups
-
-
 def broadcast_model(flat: FlatModel, comm: Communicator, root: int = 0) -> None:
     """Give every rank ``root``'s parameters: one in-place broadcast per bucket. Collective.
 
@@ -694,6 +526,12 @@ def broadcast_model(flat: FlatModel, comm: Communicator, root: int = 0) -> None:
     call this before a stage takes its shard of the master.
     """
     params = flat.flat_params if flat.master is None else flat.master
+    if isinstance(params, LayerValues):  # no flat copy (level 3): through the layers' arrays
+        for bucket in flat.buckets:
+            values = params[bucket.whole]
+            comm.broadcast(values, root, out=values)
+            params[bucket.whole] = values
+        return  # the working values are read from the same arrays
     for bucket in flat.buckets:
         comm.broadcast(params[bucket.whole], root, out=params[bucket.whole])
     if flat.master is not None:
@@ -714,5 +552,3 @@ def _padding(bucket: Bucket, slots: list[Slot]) -> list[tuple[int, int]]:
     return gaps
 
 
-STAGES: dict[int, type[ZeroStage]] = {0: ZeroStage0, 1: ZeroStage1, 2: ZeroStage2,
-                                       3: ZeroStage3}

@@ -352,3 +352,36 @@ def test_bad_arguments_raise():
         Conv2d(2, 1, 3, rng=rng).forward(np.ones((1, 3, 5, 5)))
     with pytest.raises(ValueError, match="smaller than the kernel"):
         MaxPool2d(3).forward(np.ones((1, 1, 2, 5)))
+
+
+def test_linear_reads_a_weight_in_row_blocks_as_it_reads_it_whole():
+    """ZeRO-3 hands a Linear larger than a bucket ParamBlocks (grad_blocks.py): forward sums
+    x[:, rows] @ W[rows] over the blocks, backward writes dx[:, rows] = dout @ W[rows].T, and
+    the bias is added block by block; each block is fetched once per pass, lowest rows first."""
+    from meta_dist.nn.grad_blocks import ParamBlocks
+
+    rng = np.random.default_rng(3)
+    whole = Linear(7, 5, rng=rng, dtype=np.float64)
+    blocked = Linear(7, 5, rng=np.random.default_rng(0), dtype=np.float64)
+    x, dout = rng.standard_normal((4, 3, 7)), rng.standard_normal((4, 3, 5))
+    fetched = []
+
+    def blocks(name, spans):
+        value = whole.params[name]
+
+        def fetch(first, stop):
+            fetched.append((name, first, stop))
+            return value[first:stop].copy()  # a piece buffer's copy, as a gather gives
+        return ParamBlocks(value.shape, spans, fetch)
+
+    blocked.params["weight"] = blocks("weight", [(0, 3), (3, 6), (6, 7)])
+    blocked.params["bias"] = blocks("bias", [(0, 4), (4, 5)])
+    np.testing.assert_allclose(blocked.forward(x), whole.forward(x), rtol=1e-13, atol=1e-14)
+    assert fetched == [("weight", 0, 3), ("weight", 3, 6), ("weight", 6, 7), ("bias", 0, 4),
+                       ("bias", 4, 5)]
+    fetched.clear()
+    dx = blocked.backward(dout)
+    np.testing.assert_allclose(dx, whole.backward(dout), rtol=1e-13, atol=1e-14)
+    assert fetched == [("weight", 0, 3), ("weight", 3, 6), ("weight", 6, 7)]
+    for name in ("weight", "bias"):  # the gradients need no parameter: the same arithmetic
+        np.testing.assert_array_equal(blocked.grads[name], whole.grads[name])
