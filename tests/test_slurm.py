@@ -21,6 +21,7 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from mpirun import ROOT, SLURM_SETUP, flavour, launcher, mpi_env, run, slurm_missing
@@ -37,8 +38,12 @@ def slurm():
 
 
 def _env() -> dict[str, str]:
-    return mpi_env(OMPI_MCA_mpi_yield_when_idle="1",  # see the module's docstring
-                   PMIX_MCA_psec="^munge")  # the wheel's PMIx has no munge: quiet its warning
+    env = mpi_env(OMPI_MCA_mpi_yield_when_idle="1",  # see the module's docstring
+                  PMIX_MCA_psec="^munge")  # the wheel's PMIx has no munge: quiet its warning
+    # this environment's python and mpirun, as an activated virtual environment gives them
+    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}",
+               VIRTUAL_ENV=sys.prefix)
+    return env
 
 
 def _slurm_run(command: list[str]) -> tuple[int, str]:
