@@ -5,7 +5,9 @@ must stay within 5% + one bucket of the model state its level promises (DESIGN.m
 2P/N, P + 3P/N, 4P/N for P bytes of float32 parameters), and fall level by level. Level 3's
 working set is a bucket per kind of buffer: the gradient staging, the piece of a large layer
 being gathered, and the gather of the layers read whole (small ones here), so its bound is
-three buckets. The model is the one the memory issue was measured on (20.4M parameters, P = 78
+three buckets. The probe builds the model inside ``nn.init.deferred()`` (DeepSpeed's
+zero.Init): built whole on every rank first, level 3 could not keep its promise from 4 ranks up
+(the model alone is 4P/N there). The model is the one the memory issue was measured on (20.4M parameters, P = 78
 MiB); its 3000 x 3000 layers (34 MiB) are larger than the 4 MiB bucket, so they must be reduced
 and, at level 3, gathered in pieces (gathered whole they added 34 MiB: 119 MiB at 4 ranks
 against a bound of 90), and level 3 must not copy the whole model beside the user's (that
@@ -30,7 +32,7 @@ def measure(ranks, level):
     return [tuple(float(v) for v in row[1:]) for row in rows]
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("ranks", [2, 4, 8])
 def test_each_level_holds_what_its_formula_says(ranks):
     peaks = {}
     for level in (0, 1, 2, 3):
@@ -39,7 +41,7 @@ def test_each_level_holds_what_its_formula_says(ranks):
             working = BUCKET_MB
             if level == 3:  # staging, a large layer's piece, the gather of the small layers
                 assert buffers <= 3 * BUCKET_MB + 0.01, buffers
-                working = buffers
+                working = 3 * BUCKET_MB
             bound = promise * 1.05 + working
             assert peak <= bound, (f"level {level} at {ranks} ranks: peak RSS growth {peak:.1f} "
                                    f"MiB > {bound:.1f} (model state {promise:.1f} MiB)")

@@ -54,6 +54,7 @@ from meta_dist.bench.plot import check_plotting, plot_memory
 from meta_dist.config import load_config
 from meta_dist.lazy_mpi import MPI
 from meta_dist.models import gpt
+from meta_dist.nn.init import deferred
 from meta_dist.nn.layers import Linear, ReLU
 from meta_dist.nn.losses import cross_entropy_tokens, softmax_cross_entropy
 from meta_dist.nn.model import Sequential
@@ -182,7 +183,9 @@ def meta_variant(level, work, args):
          "device": args.device, "backend": "mpi" if args.device == "cpu" else "auto",
          "seed": SEED, "nonfinite": args.nonfinite, "reshard_after_forward": args.reshard})
     xp = array_module_for(config)  # cupy on this rank's GPU for --device cuda
-    trainer = Trainer(work.meta_model(xp), config, loss_fn=work.loss_fn, log=None)
+    with deferred():  # level 3 then never holds the whole model (nn.init)
+        model = work.meta_model(xp)
+    trainer = Trainer(model, config, loss_fn=work.loss_fn, log=None)
     args.resolved_overlap = trainer.overlap
     # the batch is copied to the device inside the step, as torch's is; float() waits for it
     return (lambda x, y: float(trainer.train_step(xp.asarray(x), xp.asarray(y))),
@@ -360,7 +363,8 @@ def main(argv):
                                    op=MPI.MAX)
 
     if rank == 0:
-        params = count_params(work.meta_model())
+        with deferred():  # shapes only
+            params = count_params(work.meta_model())
         torch_backend = "nccl" if args.device == "cuda" else "gloo"
         print(f"# {size} ranks, {work.describe()} ({params / 1e6:.2f}M params)"
               f", Adam, {args.precision}, {args.device}, torch on {torch_backend}"

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from meta_dist.nn.init import DeferredValues
 from meta_dist.nn.layers import Layer, Linear
 from meta_dist.nn.model import Sequential
 from meta_dist.nn.transformer import (
@@ -75,9 +76,17 @@ def gpt(vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int
         if isinstance(leaf, (Linear, Embedding)):
             std = residual_std if name.endswith("c_proj") else INIT_STD
             weight = leaf.params["weight"]
-            weight[...] = xp.asarray(draw_normal(rng, std, weight.shape, weight.dtype))
+            values = draw_normal(rng, std, weight.shape, weight.dtype)
+            if isinstance(weight, DeferredValues):  # the same object: ties hold it by identity
+                weight.adopt(values.recipe)
+            else:
+                weight[...] = xp.asarray(values)
         if isinstance(leaf, Linear) and "bias" in leaf.params:
-            leaf.params["bias"][...] = 0
+            bias = leaf.params["bias"]
+            if isinstance(bias, DeferredValues):
+                bias.adopt(("zeros", 0.0, None))
+            else:
+                bias[...] = 0
     return model
 
 

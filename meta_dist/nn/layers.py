@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import math
 import types
+from typing import Any
 
 import numpy as np
 
 from meta_dist.nn.grad_blocks import ParamBlocks, read_rows, write_grad
+from meta_dist.nn.init import DeferredValues, draw
 from meta_dist.xp import array_module
 
 GELU_TANH_COEF = math.sqrt(2.0 / math.pi)
-INIT_BLOCK = 1 << 16  # elements drawn at a time for initial values
 GELU_CUBIC_COEF = 0.044715
 
 
@@ -62,28 +63,23 @@ class Layer:
         """Write param grads in place into ``self.grads`` and return the gradient w.r.t. x."""
         raise NotImplementedError
 
-    def _add_param(self, name: str, value: np.ndarray, dtype, xp: types.ModuleType) -> None:
-        """Move a host-drawn value onto ``xp`` as ``params[name]``, with a zero grad beside it."""
-        self.params[name] = xp.asarray(value, dtype=dtype)
+    def _add_param(self, name: str, value: Any, dtype, xp: types.ModuleType) -> None:
+        """Move a host-drawn value onto ``xp`` as ``params[name]``, with a zero grad beside it
+        (DeferredValues stay a recipe, for ``xp`` in ``dtype``: ``nn.init.deferred``)."""
+        if isinstance(value, DeferredValues):
+            value.dtype, value.xp = np.dtype(dtype), xp
+            self.params[name] = value
+        else:
+            self.params[name] = xp.asarray(value, dtype=dtype)
         # zeros, not zeros_like: numpy's zeros leaves untouched pages to the kernel (no memory
         # until written), and ZeRO rebinds these grads to its own buffers before any write
         self.grads[name] = xp.zeros(self.params[name].shape, dtype=self.params[name].dtype)
 
 
 def _uniform(rng: np.random.Generator, bound: float, shape: tuple[int, ...],
-             dtype=np.float32) -> np.ndarray:
-    """Draw U(-bound, bound) on the host, so every rank with the same seed agrees.
-
-    Drawn in blocks straight into ``dtype``: one float64 draw of a large layer (and numpy's
-    temporary for the scaling) would take three times the layer's memory for a moment. The
-    values are those of one draw of the whole shape (the generator's stream is sequential).
-    """
-    out = np.empty(shape, dtype)
-    flat = out.reshape(-1)
-    for start in range(0, flat.size, INIT_BLOCK):
-        stop = min(start + INIT_BLOCK, flat.size)
-        flat[start:stop] = rng.uniform(-bound, bound, size=stop - start)
-    return out
+             dtype=np.float32) -> Any:
+    """Draw U(-bound, bound) on the host (``nn.init.draw``: in blocks, or deferred)."""
+    return draw(rng, "uniform", bound, shape, dtype)
 
 
 def _pair(api: str, name: str, value, minimum: int) -> tuple[int, int]:

@@ -18,9 +18,9 @@ from collections.abc import Iterable, Iterator, MutableMapping
 import numpy as np
 
 from meta_dist.nn.grad_blocks import write_grad
+from meta_dist.nn.init import draw
 from meta_dist.nn.layers import (
     GELU,
-    INIT_BLOCK,
     Layer,
     Linear,
     _check_last_axis,
@@ -44,14 +44,9 @@ def draw_normal(rng: np.random.Generator, std: float, shape: tuple[int, ...],
         dtype: dtype of the result (each block is cast as it is drawn).
 
     Returns:
-        A numpy array of ``shape`` and ``dtype``.
+        A numpy array of ``shape`` and ``dtype`` (DeferredValues inside ``nn.init.deferred``).
     """
-    out = np.empty(shape, dtype)
-    flat = out.reshape(-1)
-    for start in range(0, flat.size, INIT_BLOCK):
-        stop = min(start + INIT_BLOCK, flat.size)
-        flat[start:stop] = rng.normal(0.0, std, size=stop - start)
-    return out
+    return draw(rng, "normal", std, shape, dtype)
 
 
 def derive_seed(seed: int, *path: int) -> int:

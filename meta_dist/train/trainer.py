@@ -22,6 +22,7 @@ from meta_dist import checkpoint
 from meta_dist import distributed as dist
 from meta_dist.config import Config, check_same_everywhere, check_world
 from meta_dist.errors import UsageError
+from meta_dist.nn.init import DeferredValues
 from meta_dist.nn.losses import softmax_cross_entropy
 from meta_dist.nn.model import Sequential
 from meta_dist.optim import make_optimizer
@@ -127,7 +128,10 @@ class Trainer:
         if first is None:
             raise ValueError("Trainer: the model has no parameters; expected at least one layer "
                              "with parameters (Linear, Conv2d, BatchNorm)")
-        self.xp = sys.modules["cupy"] if is_cupy_array(first) else np
+        if isinstance(first, DeferredValues):  # built in nn.init.deferred(): a recipe
+            self.xp, first = first.xp, first.xp.zeros(1, first.dtype)
+        else:
+            self.xp = sys.modules["cupy"] if is_cupy_array(first) else np
         backend = config.dist.backend  # "auto": by array kind (CuPy: NCCL where usable)
         self.comm = (self.context.communicator_for(first) if backend == "auto"
                      else self.context.communicator(backend))
@@ -199,6 +203,12 @@ class Trainer:
         A per-rank seed (the commonest slip in a hand-written MPI script) would otherwise train
         a different replica on each rank, and ZeRO would stitch shards of different models.
         """
+        deferred = [p for layer in self.model.layers for p in layer.params.values()
+                    if isinstance(p, DeferredValues)]  # a recipe each: send the root's
+        recipes = self.context.connector.broadcast([p.recipe for p in deferred],
+                                                   self.context.root_rank)
+        for values, recipe in zip(deferred, recipes, strict=True):
+            values.adopt(recipe)
         broadcast_model(flat, self.comm, self.context.root_rank)
         self._broadcast_buffers()
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meta_dist.nn.grad_blocks import GradBlocks
+from meta_dist.nn.init import DeferredValues
 from meta_dist.nn.model import Sequential
 from meta_dist.zero.partition import Bucket, Slot, plan
 
@@ -67,8 +68,11 @@ class FlatModel:
         else:
             first = xp.zeros(self.buckets[-1].stop, master_dtype if mixed else dtype)
             for slot in self.slots:  # one at a time: the layer's own array is freed as it goes
-                view = self.view(first, slot)
-                view[...] = layers[slot.layer].params[slot.name]
+                view, param = self.view(first, slot), layers[slot.layer].params[slot.name]
+                if isinstance(param, DeferredValues):
+                    param.fill(view, xp)  # drawn now, block by block
+                else:
+                    view[...] = param
                 layers[slot.layer].params[slot.name] = view
             self.master = first if mixed else None
             self.flat_params = first.astype(self.dtype) if mixed else first
@@ -180,13 +184,20 @@ class LayerValues:
         out = self.flat.xp.zeros(part.stop - part.start, self.dtype)
         layers = self.flat.model.layers
         for slot, lo, hi in self._pieces(part):
-            source = layers[slot.layer].params[slot.name].reshape(-1)
-            out[lo - part.start : hi - part.start] = source[lo - slot.offset : hi - slot.offset]
+            source = layers[slot.layer].params[slot.name]
+            if isinstance(source, DeferredValues):  # only these elements are drawn
+                out[lo - part.start : hi - part.start] = self.flat.xp.asarray(
+                    source.read(lo - slot.offset, hi - slot.offset))
+            else:
+                out[lo - part.start : hi - part.start] = \
+                    source.reshape(-1)[lo - slot.offset : hi - slot.offset]
         return out
 
     def __setitem__(self, part: slice, values: Any) -> None:
         layers = self.flat.model.layers
         for slot, lo, hi in self._pieces(part):
+            if isinstance(layers[slot.layer].params[slot.name], DeferredValues):
+                continue  # a recipe: every rank holds the root's already (Trainer._one_model)
             target = layers[slot.layer].params[slot.name].reshape(-1)  # a view: contiguous
             target[lo - slot.offset : hi - slot.offset] = values[lo - part.start : hi - part.start]
 

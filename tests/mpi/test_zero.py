@@ -9,6 +9,7 @@ In float32 the same argument gives about 1e-7 per step; we allow 2e-5 after 4 st
 After every step every rank must hold bit-identical parameters.
 """
 
+import contextlib
 import math
 import threading
 import time
@@ -22,6 +23,7 @@ from meta_dist import MPIConnector
 from meta_dist.comm.mpi_backend import MpiCommunicator
 from meta_dist.config import load_config
 from meta_dist.distributed import DistContext
+from meta_dist.nn.init import deferred
 from meta_dist.nn.layers import BatchNorm, Linear, ReLU, Tanh
 from meta_dist.models.gpt import gpt
 from meta_dist.nn.losses import cross_entropy_tokens, mse_loss, softmax_cross_entropy
@@ -621,6 +623,45 @@ def test_a_gpt_in_mixed_precision_learns_alike_at_every_level(contexts, precisio
     assert history[0][-1] < history[0][0] - 0.1  # it learns
     for level in (1, 2, 3):
         np.testing.assert_allclose(history[level], history[0], rtol=2e-2)
+
+
+@pytest.mark.parametrize("level", [0, 2, 3])
+def test_a_model_built_deferred_trains_as_one_built_at_once(contexts, level):
+    """nn.init.deferred(): a recipe per parameter until the Trainer takes the model (level 3
+    draws only its shards' elements). A per-rank seed still trains rank 0's model (its
+    recipes are sent). Step for step one process's training of the eagerly built model."""
+    world, alone = contexts
+    x, y, loss_fn = data("deep", "float64")
+    with deferred():
+        model = MODELS["deep"][0](np.random.default_rng(7 + world.rank), "float64")
+    dist = Trainer(model, make_config(level, "adam", "float64", bucket_mb=2e-4),
+                   context=world, loss_fn=loss_fn, log=None)
+    ref = trainer_on(alone, "deep", make_config(0, "adam", "float64"), "float64", loss_fn)
+    steps_match_one_process(world, dist, ref, x, y, steps=2)
+
+
+@pytest.mark.parametrize("level", [0, 3])
+def test_a_gpt_built_deferred_is_the_gpt_built_at_once(contexts, level):
+    """The GPT's nanoGPT values (drawn after construction, zero biases, the head tied to the
+    token table) survive deferral: the same parameters, bit for bit, after two steps."""
+    world, _ = contexts
+    vocab, block = 11, 6
+    x = np.random.default_rng(0).integers(0, vocab, (2 * GLOBAL_BATCH, block))
+    y = (x + 1) % vocab
+    params = []
+    for lazy in (False, True):
+        with deferred() if lazy else contextlib.nullcontext():
+            model = gpt(vocab, block, 2, 2, 8, dtype=np.float64, seed=3)
+        config = load_config({**OPTIMIZERS["adam"], "dtype": "float64", "batch_size": 60},
+                             {"zero_opt_level": level, "bucket_size_mb": 1e-3,
+                              "backend": "mpi", "device": "cpu"})
+        trainer = Trainer(model, config, context=world, loss_fn=cross_entropy_tokens, log=None)
+        mine = slice(world.rank * (60 // world.size), (world.rank + 1) * (60 // world.size))
+        for step in range(2):
+            batch = slice(step * 60, (step + 1) * 60)
+            trainer.train_step(x[batch][mine], y[batch][mine])
+        params.append(trainer.stage.full_params())
+    np.testing.assert_array_equal(params[1], params[0])
 
 
 @pytest.mark.mpi(min_size=2)

@@ -4,7 +4,9 @@
 
 DIMS is an MLP's widths (``784-2500-2500-10``). The high-water mark (VmHWM) is reset after MPI,
 meta_dist and the data are up (Linux /proc/self/clear_refs), so the growth counts the model's
-construction, the trainer and three Adam steps in float32. Rank 0 prints one line per rank:
+construction, the trainer and three Adam steps in float32. The model is built inside
+``nn.init.deferred()`` (as DeepSpeed's zero.Init): built eagerly, every rank would hold the
+whole model for a moment, more than level 3 promises from 4 ranks up. Rank 0 prints one line per rank:
 ``rank R peak_mib P promise_mib M report_mib T buffers_mib B``, where M is DESIGN.md's model
 state for the level, T what ``memory_report`` accounts for (params + grads + optimizer +
 buffers) and B its buffers (staging, and level 3's gather buffers: the working set).
@@ -21,6 +23,7 @@ import numpy as np  # noqa: E402
 
 from meta_dist import distributed as dist  # noqa: E402
 from meta_dist.config import load_config  # noqa: E402
+from meta_dist.nn.init import deferred  # noqa: E402
 from meta_dist.nn.layers import Linear, ReLU  # noqa: E402
 from meta_dist.nn.model import Sequential  # noqa: E402
 from meta_dist.train import Trainer  # noqa: E402
@@ -47,13 +50,17 @@ def main():
     config = load_config({"batch_size": local * n, "optimizer": "adam", "lr": 1e-3},
                          {"zero_opt_level": level, "bucket_size_mb": bucket_mb,
                           "backend": "mpi", "device": "cpu"})
+    # the process's one-time costs before the baseline: BLAS's work buffers (its first product)
+    # and MPI's transport (its first collectives), which no ZeRO level holds
+    context.connector.allgather(0)
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM restarts from the RSS now
     base = status_mib("VmRSS")
     init = np.random.default_rng(1)
     layers = []
-    for a, b in zip(dims[:-1], dims[1:], strict=False):
-        layers += [Linear(a, b, rng=init), ReLU()]
+    with deferred():
+        for a, b in zip(dims[:-1], dims[1:], strict=False):
+            layers += [Linear(a, b, rng=init), ReLU()]
     trainer = Trainer(Sequential(*layers[:-1]), config, context=context, log=None)
     mine = slice(context.rank * local, (context.rank + 1) * local)
     for _ in range(3):
