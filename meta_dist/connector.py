@@ -151,7 +151,8 @@ def _check_launcher(size: int) -> None:
     launcher's variables but its MPI starts alone, as a job of size 1.
     """
     step_tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
-    if size == 1 and step_tasks.isdigit() and int(step_tasks) > 1:  # srun's tasks, apart
+    if size == 1 and step_tasks.isdigit() and int(step_tasks) > 1 and \
+            failfast.launcher_announcement() is None:  # srun's tasks, each MPI alone
         raise UsageError(
             f"srun started {step_tasks} tasks (SLURM_STEP_NUM_TASKS={step_tasks}), but this "
             f"process's MPI started alone (size 1): srun offered no process-management "

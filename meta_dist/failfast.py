@@ -131,7 +131,10 @@ def _program() -> str:
     if not sys.argv or not sys.argv[0]:
         return "python"
     path = Path(sys.argv[0])
-    return f"python -m {path.parent.name}" if path.name == "__main__.py" else path.name
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if path.name == "__main__.py" and spec is not None:  # python -m a.b runs a/b/__main__.py
+        return f"python -m {spec.name.removesuffix('.__main__')}"
+    return path.name
 
 
 def _end_job_on_exception(exc_type: type, exc: BaseException, tb: Any) -> None:

@@ -1,7 +1,7 @@
 """GradBlocks and ParamBlocks: a parameter's gradient, or the parameter itself, in row blocks.
 
-Leaf module: imports nothing of meta_dist; ``nn.layers`` writes through it and ``zero.stages``
-makes the blocks. A layer's backward normally writes each parameter gradient into the array
+Leaf module: imports nothing of meta_dist; ``nn.layers`` writes and reads through it,
+``zero.flat`` makes the GradBlocks and ``zero.stage3`` the ParamBlocks. A layer's backward normally writes each parameter gradient into the array
 ``grads[name]`` at once. A layer too large for one communication bucket may instead find a
 GradBlocks there: it then computes the gradient a block of rows at a time (top rows first) into
 the arrays the blocks give it, so the whole gradient never exists at once, and the owner of the

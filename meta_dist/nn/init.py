@@ -95,7 +95,8 @@ class DeferredValues:
         kind, scale, state = self.recipe
         if kind == "zeros":
             return np.zeros(hi - lo, self.dtype)
-        if self._cursor is None or self._cursor[1] > lo:
+        if self._cursor is None or lo < (self._cursor[2][0] if self._cursor[2] else
+                                         self._cursor[1]):  # below what the cursor holds
             rng = np.random.Generator(self._bit_generator())
             rng.bit_generator.state = copy.deepcopy(state)
             self._cursor = (rng, 0, None)

@@ -69,8 +69,10 @@ class Layer:
         if isinstance(value, DeferredValues):
             value.dtype, value.xp = np.dtype(dtype), xp
             self.params[name] = value
-        else:
-            self.params[name] = xp.asarray(value, dtype=dtype)
+            # no memory either (a GPU's zeros are real): ZeRO binds its buffers before backward
+            self.grads[name] = xp.broadcast_to(xp.zeros((), value.dtype), value.shape)
+            return
+        self.params[name] = xp.asarray(value, dtype=dtype)
         # zeros, not zeros_like: numpy's zeros leaves untouched pages to the kernel (no memory
         # until written), and ZeRO rebinds these grads to its own buffers before any write
         self.grads[name] = xp.zeros(self.params[name].shape, dtype=self.params[name].dtype)
@@ -214,19 +216,34 @@ class Linear(Layer):
         # product block by block (`bench train --model gpt` shows the difference)
         x2, weight = x.reshape(-1, self.in_features), self.params["weight"]
         if isinstance(weight, ParamBlocks):  # ZeRO-3, a layer larger than a bucket
-            out = None
-            for first, stop, w in weight.blocks():  # x @ W = sum of x[:, rows] @ W[rows]
-                part = x2[:, first:stop] @ w
-                if out is None:
-                    out = part
-                else:
-                    out += part
-        else:
-            out = x2 @ weight
+            return self._forward_blocks(x2, weight).reshape(*x.shape[:-1], self.out_features)
+        out = x2 @ weight
         if "bias" in self.params:  # in place: no second output-sized array
-            for first, stop, b in read_rows(self.params["bias"]):
-                out[:, first:stop] += b
+            out += self.params["bias"]
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _forward_blocks(self, x2, weight: ParamBlocks):
+        """``x2 @ W + b`` with W and b read a block of rows at a time (each block valid until
+        the next is read): the bias first (it lies below the weight in the flat buffer, so
+        its bucket is the weight's first), then x @ W as the sum of x[:, rows] @ W[rows],
+        added up in float32 when the layer computes in 16 bits (as one product would)."""
+        xp = array_module(x2)
+        bias = None
+        if "bias" in self.params:
+            bias = xp.empty(self.out_features, x2.dtype)
+            for first, stop, b in read_rows(self.params["bias"]):
+                bias[first:stop] = b
+        wide = x2.dtype.itemsize < 4
+        out = None
+        for first, stop, w in weight.blocks():
+            part = x2[:, first:stop] @ w
+            if out is None:
+                out = part.astype(np.float32) if wide else part
+            else:
+                out += part
+        if bias is not None:
+            out += bias
+        return out.astype(x2.dtype) if wide else out
 
     def backward(self, dout):
         """Write dW = x.T @ dout and db = dout.sum(0) in place; return dout @ W.T.

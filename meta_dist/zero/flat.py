@@ -23,13 +23,15 @@ from meta_dist.zero.partition import Bucket, Slot, plan
 
 
 class FlatModel:
-    """Move a model's parameters into ``flat_params`` (padding zero) and point the layers at it.
+    """Move a model's parameters into ``flat_params`` (padding zero) and point the layers at it
+    (with ``materialize=False``, level 3's way: read them from the layers where they are).
 
     Layers whose class sets ``grad_rows = True`` (their backward writes through
     ``nn.grad_blocks.write_grad``) may be cut between buckets; others stay in one bucket.
 
     Args:
-        model: the model; its current parameter values are copied in, one at a time.
+        model: the model; its current parameter values are copied in, one at a time (or,
+            not materialised, read from it slice by slice).
         bucket_numel: elements per bucket (``partition.bucket_numel``).
         world: ranks the buckets are sharded over.
         xp: the array module of the buffers (numpy or cupy).
@@ -181,10 +183,19 @@ class LayerValues:
                 if s.offset < part.stop and part.start < s.offset + s.numel]
 
     def __getitem__(self, part: slice) -> Any:
+        return self._read(part, draw=True)
+
+    def drawn(self, part: slice) -> Any:
+        """Return ``self[part]`` with the still-deferred parameters' elements left zero."""
+        return self._read(part, draw=False)
+
+    def _read(self, part: slice, draw: bool) -> Any:
         out = self.flat.xp.zeros(part.stop - part.start, self.dtype)
         layers = self.flat.model.layers
         for slot, lo, hi in self._pieces(part):
             source = layers[slot.layer].params[slot.name]
+            if isinstance(source, DeferredValues) and not draw:
+                continue
             if isinstance(source, DeferredValues):  # only these elements are drawn
                 out[lo - part.start : hi - part.start] = self.flat.xp.asarray(
                     source.read(lo - slot.offset, hi - slot.offset))

@@ -90,6 +90,11 @@ class ZeroStage3(ZeroStage2):
         flat.flat_params = None  # the full working copy is gone; layers see gather buffers
         self._unbind()
 
+    def import_values(self, read: Any, name_of: Any) -> None:
+        """See ``ZeroStage.import_values``; what the buffers gathered before is stale now."""
+        super().import_values(read, name_of)
+        self._after_update()
+
     def _unbind(self) -> None:
         """Point every layer's parameters at NaN placeholders until a gather binds them.
 

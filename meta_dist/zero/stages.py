@@ -523,12 +523,14 @@ def broadcast_model(flat: FlatModel, comm: Communicator, root: int = 0) -> None:
     """Give every rank ``root``'s parameters: one in-place broadcast per bucket. Collective.
 
     Under mixed precision the fp32 master is broadcast, and the working copy made from it;
-    call this before a stage takes its shard of the master.
+    call this before a stage takes its shard of the master. Parameters still deferred
+    (``nn.init``; level 3) are recipes, not values: the caller gives every rank the root's
+    recipes first (``Trainer._one_model``), and their elements go as zeros here.
     """
     params = flat.flat_params if flat.master is None else flat.master
     if isinstance(params, LayerValues):  # no flat copy (level 3): through the layers' arrays
         for bucket in flat.buckets:
-            values = params[bucket.whole]
+            values = params.drawn(bucket.whole)
             comm.broadcast(values, root, out=values)
             params[bucket.whole] = values
         return  # the working values are read from the same arrays

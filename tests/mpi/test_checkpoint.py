@@ -11,6 +11,7 @@ from test_zero import deep, make_config
 
 from meta_dist import MPIConnector, checkpoint
 from meta_dist.checkpoint import CheckpointError
+from meta_dist.config import load_config
 from meta_dist.distributed import DistContext
 from meta_dist.nn.layers import BatchNorm, Linear, Tanh
 from meta_dist.nn.losses import softmax_cross_entropy
@@ -191,3 +192,24 @@ class _Lines:
 
     def flush(self):
         pass
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_level3_forgets_what_it_gathered_before_a_load(world, shared_dir, reshard):
+    """A forward gathers parameters into level 3's buffers (without resharding they stay for
+    backward); loading a checkpoint replaces the shards, so the next forward must gather the
+    loaded values, not reuse the old ones."""
+    x, y = data()
+    config = load_config({"optimizer": "adam", "lr": 0.01, "batch_size": BATCH, "n_epoch": 1,
+                          "n_mini_batch": 2},
+                         {"zero_opt_level": 3, "bucket_size_mb": 2e-4, "backend": "mpi",
+                          "device": "cpu", "reshard_after_forward": reshard})
+    t = Trainer(deep(np.random.default_rng(7), "float32"), config, context=world,
+                loss_fn=softmax_cross_entropy, log=None)
+    t.fit(x, y)
+    t.save_checkpoint(shared_dir)
+    saved_out = t.model.forward(x[:8]).copy()
+    t.train_step(x[:BATCH // world.size], y[:BATCH // world.size])  # the shards move on
+    t.model.forward(x[:8])  # and a forward gathers them
+    t.load_checkpoint(shared_dir)
+    np.testing.assert_array_equal(t.model.forward(x[:8]), saved_out)

@@ -44,3 +44,17 @@ def test_layers_built_deferred_hold_recipes_of_their_eager_values():
             np.testing.assert_array_equal(held.read(0, held.size).reshape(held.shape), value)
     with pytest.raises(ValueError, match="unknown kind 'gauss'"):
         draw(np.random.default_rng(0), "gauss", 1.0, (2,))
+
+
+def test_reading_upwards_never_restarts_the_stream():
+    """Consecutive slices, even ones starting inside the block drawn last, continue the same
+    generator; only a read below that block starts again (one draw per element upwards)."""
+    with deferred():
+        values = draw(np.random.default_rng(2), "normal", 1.0, (5 * INIT_BLOCK,))
+    values.read(0, 100)
+    stream = values._cursor[0]
+    for lo in (100, 50, INIT_BLOCK - 10, INIT_BLOCK + 3, 3 * INIT_BLOCK):
+        values.read(lo, lo + 1000)
+        assert values._cursor[0] is stream, lo
+    values.read(10, 20)  # below the block drawn last
+    assert values._cursor[0] is not stream

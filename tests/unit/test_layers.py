@@ -357,7 +357,7 @@ def test_bad_arguments_raise():
 def test_linear_reads_a_weight_in_row_blocks_as_it_reads_it_whole():
     """ZeRO-3 hands a Linear larger than a bucket ParamBlocks (grad_blocks.py): forward sums
     x[:, rows] @ W[rows] over the blocks, backward writes dx[:, rows] = dout @ W[rows].T, and
-    the bias is added block by block; each block is fetched once per pass, lowest rows first."""
+    the bias is read first; each block is fetched once per pass, lowest rows first."""
     from meta_dist.nn.grad_blocks import ParamBlocks
 
     rng = np.random.default_rng(3)
@@ -377,11 +377,30 @@ def test_linear_reads_a_weight_in_row_blocks_as_it_reads_it_whole():
     blocked.params["weight"] = blocks("weight", [(0, 3), (3, 6), (6, 7)])
     blocked.params["bias"] = blocks("bias", [(0, 4), (4, 5)])
     np.testing.assert_allclose(blocked.forward(x), whole.forward(x), rtol=1e-13, atol=1e-14)
-    assert fetched == [("weight", 0, 3), ("weight", 3, 6), ("weight", 6, 7), ("bias", 0, 4),
-                       ("bias", 4, 5)]
+    assert fetched == [("bias", 0, 4), ("bias", 4, 5), ("weight", 0, 3), ("weight", 3, 6),
+                       ("weight", 6, 7)]  # the bias lies below the weight: its bucket first
     fetched.clear()
     dx = blocked.backward(dout)
     np.testing.assert_allclose(dx, whole.backward(dout), rtol=1e-13, atol=1e-14)
     assert fetched == [("weight", 0, 3), ("weight", 3, 6), ("weight", 6, 7)]
     for name in ("weight", "bias"):  # the gradients need no parameter: the same arithmetic
         np.testing.assert_array_equal(blocked.grads[name], whole.grads[name])
+
+
+def test_a_blocked_16_bit_linear_adds_its_blocks_in_float32():
+    """fp16 blocks summed in fp16 lose bits a single product keeps: the blocked forward adds
+    them in float32 and rounds once, so it stays as close to the exact result as one product."""
+    from meta_dist.nn.grad_blocks import ParamBlocks
+
+    rng = np.random.default_rng(4)
+    layer = Linear(1024, 64, rng=rng, dtype=np.float16)
+    weight, bias = layer.params["weight"].copy(), layer.params["bias"].copy()
+    x = rng.standard_normal((8, 1024)).astype(np.float16)
+    exact = x.astype(np.float64) @ weight.astype(np.float64) + bias.astype(np.float64)
+    whole = np.abs(layer.forward(x) - exact).max()
+    spans = [(r, r + 32) for r in range(0, 1024, 32)]
+    layer.params["weight"] = ParamBlocks(weight.shape, spans, lambda a, b: weight[a:b])
+    layer.params["bias"] = ParamBlocks(bias.shape, [(0, 64)], lambda a, b: bias[a:b])
+    blocked = layer.forward(x)
+    assert blocked.dtype == np.float16
+    assert np.abs(blocked - exact).max() <= 1.5 * whole
