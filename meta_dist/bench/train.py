@@ -28,7 +28,8 @@ torch.set_num_threads(1).
 
 Method: every variant is built first; around its build and warmup steps the process's peak RSS
 is reset (Linux /proc/self/clear_refs) so "peak" is the RSS high-water mark above the RSS before
-the build, and "held" the RSS still added after warmup (max over ranks). Then the timed steps of
+the build, and "held" the RSS still added after warmup (max over ranks); with --device cuda the
+same of the GPU allocator that holds the variant's arrays (CuPy's pool: PeakMeter; torch's). Then the timed steps of
 all variants alternate in blocks so load drift hits them alike; step time is the max over ranks
 of each rank's median. Memory of variants sharing one process can still blur (the allocator
 reuses freed memory); for clean per-level numbers run one level per process, e.g. --levels 2
@@ -40,11 +41,11 @@ both ranks on one core, and then every exchange waits a whole time slice.
 
 import argparse
 import gc
+import importlib
 import os
 import resource
 import socket
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -60,6 +61,7 @@ from meta_dist.nn.losses import cross_entropy_tokens, softmax_cross_entropy
 from meta_dist.nn.model import Sequential
 from meta_dist.train import Trainer, array_module_for, synthetic_classification
 from meta_dist.train.data import char_corpus, windows
+from meta_dist.train.memory import PeakMeter
 
 BATCHES, SEED = 8, 0
 MIB = 2**20
@@ -162,16 +164,29 @@ def count_params(model):
     return sum(a.size for a in arrays.values())
 
 
-def rss_mib(field):
-    """Return VmRSS or VmHWM (the peak) of this process in MiB, from /proc/self/status."""
-    with Path("/proc/self/status").open() as status:
-        return next(int(line.split()[1]) for line in status if line.startswith(field)) / 1024
+class VariantMemory:
+    """A variant's memory per rank from its build on, MiB: host RSS on the CPU; on a GPU the
+    allocator that holds its arrays (CuPy's pool for meta_dist, torch's for torch)."""
 
+    def __init__(self, device, is_torch):
+        self.torch = None
+        if device == "cuda" and is_torch:
+            import torch
 
-def reset_peak():
-    """Make VmHWM restart from the current RSS (Linux >= 4.0), so each variant's peak is its own."""
-    with Path("/proc/self/clear_refs").open("w") as refs:
-        refs.write("5")
+            self.torch = torch
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            self.meter = PeakMeter(np if device == "cpu" else importlib.import_module("cupy"))
+            self.meter.reset()
+
+    def peak_and_held(self):
+        """(the high-water mark's rise, what is still held above the start), MiB."""
+        if self.torch is not None:
+            cuda = self.torch.cuda
+            return ((cuda.max_memory_allocated() - self.base) / MIB,
+                    (cuda.memory_allocated() - self.base) / MIB)
+        return (self.meter.growth() / MIB, (self.meter.current() - self.meter.base) / MIB)
 
 
 def meta_variant(level, work, args):
@@ -333,15 +348,15 @@ def main(argv):
     runs = {}  # name -> dict(step, report, peak, held, times, done, loss)
     for name, make in makers.items():
         gc.collect()
-        reset_peak()
-        base = rss_mib("VmRSS")
+        memory = VariantMemory(args.device, name.startswith("torch"))
         step, report, traffic = make()
         for i in range(args.warmup):
             step(*batches[i % BATCHES])
+        peak, held = memory.peak_and_held()
         runs[name] = {"step": step, "report": report, "times": [], "done": args.warmup,
                       "traffic": traffic, "moved": 0.0,
-                      "peak": world.allreduce(rss_mib("VmHWM") - base, op=MPI.MAX),
-                      "held": world.allreduce(rss_mib("VmRSS") - base, op=MPI.MAX)}
+                      "peak": world.allreduce(peak, op=MPI.MAX),
+                      "held": world.allreduce(held, op=MPI.MAX)}
     per_block = -(-args.steps // args.blocks)
     for block in range(args.blocks):
         names = list(runs)[block % len(runs):] + list(runs)[:block % len(runs)]
