@@ -150,8 +150,8 @@ def slurm_missing() -> str | None:
     missing = [name for name in ("salloc", "sinfo", "srun", "scontrol")
                if shutil.which(name) is None]
     if missing:
-        return (f"no Slurm client commands ({', '.join(missing)} not on PATH); {SLURM_SETUP} sets up "
-                "a one-host Slurm")
+        return (f"no Slurm client commands ({', '.join(missing)} not on PATH); "
+                f"{SLURM_SETUP} sets up a one-host Slurm")
     try:
         ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30)
         if "UP" not in ping.stdout:

@@ -1,17 +1,16 @@
 """ZeRO's memory promise measured from the operating system, one level per fresh process.
 
-Each rank's peak RSS growth over building the model, building the trainer and three Adam steps
-must stay within 5% + one bucket of the model state its level promises (DESIGN.md: 4P, 2P +
-2P/N, P + 3P/N, 4P/N for P bytes of float32 parameters), and fall level by level. Level 3's
-working set is a bucket per kind of buffer: the gradient staging, the piece of a large layer
-being gathered, and the gather of the layers read whole (small ones here), so its bound is
-three buckets. The probe builds the model inside ``nn.init.deferred()`` (DeepSpeed's
-zero.Init): built whole on every rank first, level 3 could not keep its promise from 4 ranks up
-(the model alone is 4P/N there). The model is the one the memory issue was measured on (20.4M parameters, P = 78
-MiB); its 3000 x 3000 layers (34 MiB) are larger than the 4 MiB bucket, so they must be reduced
-and, at level 3, gathered in pieces (gathered whole they added 34 MiB: 119 MiB at 4 ranks
-against a bound of 90), and level 3 must not copy the whole model beside the user's (that
-added the largest layer again while the copy was made).
+Each rank's peak RSS growth over building the model, building the trainer and three Adam steps must
+stay within 5% + one bucket of the model state its level promises (DESIGN.md: 4P, 2P + 2P/N, P +
+3P/N, 4P/N for P bytes of float32 parameters), and fall level by level. Level 3's working set is a
+bucket per kind of buffer: the gradient staging, the piece of a large layer being gathered, and the
+gather of the layers read whole (small ones here), so its bound is three buckets. The probe builds
+the model inside ``nn.init.deferred()`` (DeepSpeed's zero.Init): built whole on every rank first,
+level 3 could not keep its promise from 4 ranks up (the model alone is 4P/N there). The model is the
+one the memory issue was measured on (20.4M parameters, P = 78 MiB); its 3000 x 3000 layers (34 MiB)
+are larger than the 4 MiB bucket, so they must be reduced and, at level 3, gathered in pieces
+(gathered whole they added 34 MiB: 119 MiB at 4 ranks against a bound of 94), and level 3 must not
+copy the whole model beside the user's (that added the largest layer again while the copy was made).
 """
 
 import re

@@ -26,12 +26,12 @@ OPENBLAS_NUM_THREADS and MKL_NUM_THREADS are set to 1 before MPI and torch start
 OpenBLAS, loaded already, through its own setter: ``blas_threads.use_threads``), and
 torch.set_num_threads(1).
 
-Method: every variant is built first; around its build and warmup steps the process's peak RSS
-is reset (Linux /proc/self/clear_refs) so "peak" is the RSS high-water mark above the RSS before
-the build, and "held" the RSS still added after warmup (max over ranks); with --device cuda the
-same of the GPU allocator that holds the variant's arrays (CuPy's pool: PeakMeter; torch's). Then the timed steps of
-all variants alternate in blocks so load drift hits them alike; step time is the max over ranks
-of each rank's median. Memory of variants sharing one process can still blur (the allocator
+Method: every variant is built first; around its build and warmup steps the process's peak RSS is
+reset (Linux /proc/self/clear_refs) so "peak" is the RSS high-water mark above the RSS before the
+build, and "held" the RSS still added after warmup (max over ranks); with --device cuda the same of
+the GPU allocator that holds the variant's arrays (CuPy's pool: PeakMeter; torch's). Then the timed
+steps of all variants alternate in blocks so load drift hits them alike; step time is the max over
+ranks of each rank's median. Memory of variants sharing one process can still blur (the allocator
 reuses freed memory); for clean per-level numbers run one level per process, e.g. --levels 2
 (--levels '' --torch runs PyTorch alone).
 

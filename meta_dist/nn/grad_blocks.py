@@ -1,12 +1,12 @@
 """GradBlocks and ParamBlocks: a parameter's gradient, or the parameter itself, in row blocks.
 
-Leaf module: imports nothing of meta_dist; ``nn.layers`` writes and reads through it,
-``zero.flat`` makes the GradBlocks and ``zero.stage3`` the ParamBlocks. A layer's backward normally writes each parameter gradient into the array
-``grads[name]`` at once. A layer too large for one communication bucket may instead find a
-GradBlocks there: it then computes the gradient a block of rows at a time (top rows first) into
-the arrays the blocks give it, so the whole gradient never exists at once, and the owner of the
-blocks learns as each one is written. A parameter tied to later layers (weight tying) carries
-their gradients as ``extra``: each block adds their rows before it counts as written.
+Leaf module: imports nothing of meta_dist; ``nn.layers`` writes and reads through it, ``zero.flat``
+makes the GradBlocks and ``zero.stage3`` the ParamBlocks. A layer's backward normally writes each
+parameter gradient into the array ``grads[name]`` at once. A layer too large for one communication
+bucket may instead find a GradBlocks there: it then computes the gradient a block of rows at a time
+(top rows first) into the arrays the blocks give it, so the whole gradient never exists at once, and
+the owner of the blocks learns as each one is written. A parameter tied to later layers (weight
+tying) carries their gradients as ``extra``: each block adds their rows before it counts as written.
 
 ParamBlocks is the same for reading: at ZeRO level 3 a layer larger than a bucket may find one
 in ``params[name]`` and read the parameter a block of rows at a time (each block gathered as it

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-FIELDS = ("params", "grads", "optimizer", "buffers")
+from meta_dist.zero.memory import FIELDS
+
 MIB = 2**20
 
 

@@ -5,11 +5,11 @@
 DIMS is an MLP's widths (``784-2500-2500-10``). The high-water mark (VmHWM) is reset after MPI,
 meta_dist and the data are up (Linux /proc/self/clear_refs), so the growth counts the model's
 construction, the trainer and three Adam steps in float32. The model is built inside
-``nn.init.deferred()`` (as DeepSpeed's zero.Init): built eagerly, every rank would hold the
-whole model for a moment, more than level 3 promises from 4 ranks up. Rank 0 prints one line per rank:
-``rank R peak_mib P promise_mib M report_mib T buffers_mib B``, where M is DESIGN.md's model
-state for the level, T what ``memory_report`` accounts for (params + grads + optimizer +
-buffers) and B its buffers (staging, and level 3's gather buffers: the working set).
+``nn.init.deferred()`` (as DeepSpeed's zero.Init): built eagerly, every rank would hold the whole
+model for a moment, more than level 3 promises from 4 ranks up. Rank 0 prints one line per rank:
+``rank R peak_mib P promise_mib M report_mib T buffers_mib B``, where M is DESIGN.md's model state
+for the level, T what ``memory_report`` accounts for (params + grads + optimizer + buffers) and B
+its buffers (staging, and level 3's gather buffers: the working set).
 """
 
 import gc

@@ -6,7 +6,7 @@ all devices whose methods answer for the current device; ``used_bytes``, ``total
 ``free_bytes``, ``n_free_blocks``, ``free_all_blocks(stream=None)``, ``set_limit``,
 ``get_limit``, ``malloc``. CuPy's pool has no peak counter, so neither has this one. Every new
 array's memory comes from the current allocator (``alloc``; ``set_allocator``,
-``get_allocator``: https://docs.cupy.dev/en/stable/reference/generated/cupy.cuda.set_allocator.html),
+``get_allocator``; docs.cupy.dev, reference/generated/cupy.cuda.set_allocator.html),
 by default the default pool's ``malloc``. Stricter than CuPy: an allocator must return a
 MemoryPointer of at least the size asked for (TypeError/ValueError), and ``set_allocator(None)``
 (CuPy: raw cudaMalloc, no pool) raises NotImplementedError: the stand-in models the pool only.
