@@ -1,7 +1,7 @@
 """The distributed context: ``dist.get_context()``, init/shutdown, and collectives on it.
 
-Imports meta_dist.connector, meta_dist.comm and meta_dist.xp, the first two only when the
-context starts: importing this module starts no MPI. This is the Meta design's
+Imports meta_dist.connector, meta_dist.comm, meta_dist.gpus and meta_dist.xp, the first three
+only when the context starts: importing this module starts no MPI. This is the Meta design's
 ``from meta_dist import distributed as dist; dctx = dist.get_context()``: the first call starts
 the MPI connector; the module-level collectives (re-exported as ``meta_dist.allreduce`` etc.) run
 on the context's communicator for the array's kind (numpy: MPI; CuPy: NCCL when usable).
@@ -111,7 +111,7 @@ class DistContext:
         """Say how ``comm`` moves CuPy arrays, and why not NCCL (one line for a log)."""
         if comm.backend_name == "nccl":
             return "GPU collectives: NCCL"
-        how = "CUDA-aware" if comm.staging.cuda_aware else "staged through host memory"
+        how = "CUDA-aware" if comm.cuda_aware else "staged through host memory"
         return f"GPU collectives: MPI, {how} ({self.nccl_problem})"
 
     def set_stall_timeout(self, seconds: float | None) -> None:
@@ -190,7 +190,7 @@ def _live_context(api: str) -> DistContext:
 
 def _nccl_problem(connector: MPIConnector) -> str | None:
     """Return why NCCL cannot serve every rank (naming the ranks), or None. Collective."""
-    from meta_dist.comm.nccl_backend import gpu_survey, ranks_problem  # imports without cupy
+    from meta_dist.gpus import gpu_survey, ranks_problem  # imports without cupy
 
     _, problems = gpu_survey(connector)
     return ranks_problem("backend auto", problems)

@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
 
 def _run(connector: Any) -> int:
     from meta_dist.comm import make_communicator
-    from meta_dist.comm.nccl_backend import gpu_survey
+    from meta_dist.gpus import gpu_survey
 
     device, problems = gpu_survey(connector)  # collective; makes this rank's GPU current
     mine = _describe(connector, device)
@@ -84,8 +84,8 @@ def _describe(connector: Any, device: int) -> dict[str, Any]:
     from mpi4py import MPI
 
     from meta_dist.blas_threads import openblas_threads
-    from meta_dist.comm.nccl_backend import nccl_unavailable_reason, nccl_version
-    from meta_dist.comm.staging import cuda_aware_requested
+    from meta_dist.comm.mpi_backend import cuda_aware_requested
+    from meta_dist.gpus import nccl_unavailable_reason, nccl_version
 
     levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
               MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}

@@ -1,36 +1,34 @@
 """Communicator: the one interface for moving array data, shared by the MPI and NCCL backends.
 
-Imports numpy, mpi4py (the thread level only) and meta_dist.connector / xp / comm.checks /
-consistency / plans / worker. Every operation takes one path: ``plans`` checks its arguments on
-this rank (``checks``: the same messages for both backends) and returns what to run; the ranks
-compare their calls (``consistency``); a list is fused into one flat buffer; and the backend's
-primitive moves flat, contiguous 1-D buffers. A backend implements only the primitives.
+Imports numpy, mpi4py (the thread level only) and meta_dist.connector / watchdog / xp /
+comm.checks / consistency / plans / streams / worker. Every operation takes one path: a plan
+(``comm.plans``) checks its arguments on this rank (``comm.checks``: the same messages for both
+backends) and returns what to run; the ranks compare their calls (``comm.consistency``); a list
+is fused into one flat buffer; and the backend's primitive moves flat, contiguous 1-D buffers.
+A backend implements only the primitives.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import queue
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from meta_dist.lazy_mpi import MPI
 
 from meta_dist.comm import checks, plans
 from meta_dist.comm.checks import DTYPES
 from meta_dist.comm.consistency import ConsistencyCheck
-from meta_dist.comm.streams import Ticket
+from meta_dist.comm.streams import CommStream
 from meta_dist.comm.worker import CommThreads, Handle
 from meta_dist.connector import MPIConnector
 from meta_dist.watchdog import DEFAULT_STALL_TIMEOUT_S, StallWatchdog, resolve_stall_timeout
-from meta_dist.xp import array_module, data_ptr, is_cupy_array
+from meta_dist.xp import data_ptr, is_cupy_array
 
-
-def _env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    return default if value is None else value.strip().lower() not in ("0", "false", "no", "")
+THREAD_LEVELS = {"THREAD_SINGLE": "single", "THREAD_FUNNELED": "funneled",
+                 "THREAD_SERIALIZED": "serialized", "THREAD_MULTIPLE": "multiple"}
 
 
 class Communicator(ABC):
@@ -42,8 +40,8 @@ class Communicator(ABC):
     ``out=None`` the results are new arrays (a list's are views of one new buffer); ``out`` may
     be the input itself, which makes the operation in place. Inputs may be non-contiguous (they
     are copied); ``out`` must be contiguous and writeable. Dtypes: float16, float32, float64,
-    int32, int64, uint8. Reduction ops: "sum", "avg" (floating dtypes: the sum divided by size
-    once), "max", "min", "prod".
+    int32, int64, uint8 (and bfloat16 where ml_dtypes is installed). Reduction ops: "sum",
+    "avg" (floating dtypes: the sum divided by size once), "max", "min", "prod".
 
     Before each collective the ranks compare a fingerprint of (operation, op, root, dtype,
     shapes) with one small allreduce on the host; a difference raises ValueError on every rank
@@ -63,25 +61,25 @@ class Communicator(ABC):
     """
 
     backend_name = "base"
+    stages_device_arrays = False  # the library moves host memory only: CuPy goes via the host
 
     def __init__(self, connector: MPIConnector, *, check: bool | None = None,
                  stall_timeout: float | None = DEFAULT_STALL_TIMEOUT_S) -> None:
-        self.connector = connector
-        self.rank = connector.rank
-        self.size = connector.size
-        self.check = _env_flag("META_DIST_CHECK", True) if check is None else check
+        self.connector, self.rank, self.size = connector, connector.rank, connector.size
+        if check is None:
+            check = os.environ.get("META_DIST_CHECK", "1").strip().lower() not in (
+                "0", "false", "no", "")
+        self.check = check
         self.stall_timeout = stall_timeout = resolve_stall_timeout(stall_timeout)
         self._thread_level = MPI.Query_thread()  # async calls need THREAD_MULTIPLE
-        self._agree({"check": self.check, "thread_level": self._thread_level,
+        self._agree({"check": check, "thread_level": self._thread_level,
                      "watchdog": stall_timeout is not None, **self._call_settings()})
         self._check_comm = connector.comm.Dup()
-        self._consistency = ConsistencyCheck(self._check_comm, every_call=self.check)
+        self._consistency = ConsistencyCheck(self._check_comm, every_call=check)
         self._threads = CommThreads(self._new_watchdog(stall_timeout), self._worker_started)
-        self.fusion = plans.Fusion(self._address)
+        self.stream = CommStream()  # where calls on CuPy arrays run (see comm.streams)
+        self.fusion = plans.Fusion(self._address, self.stages_device_arrays)
         self.traffic = plans.Traffic(self.size)  # bytes each operation moved; see plans.Traffic
-        self.to_self: queue.Queue = queue.Queue()  # messages this rank sent itself
-        self._device_xp: Any = None  # the call being planned is on CuPy arrays (see _plan)
-        self._stream: Any = None  # the CuPy stream device work runs on (see _device_stream)
         self.closed = False
 
     # ---------------------------------------------------------------- public collectives
@@ -102,10 +100,6 @@ class Communicator(ABC):
         """
         return self._run("allreduce", plans.allreduce, send, op, out)
 
-    def allreduce_async(self, send: Any, op: str = "sum", *, out: Any = None) -> Handle:
-        """Start ``allreduce`` and return a Handle; see ``allreduce``. Collective."""
-        return self._start("allreduce", plans.allreduce, send, op, out)
-
     def reduce_scatter(self, send: Any, op: str = "sum", *, out: Any = None) -> Any:
         """Reduce arrays across ranks and leave each rank its part along axis 0.
 
@@ -125,10 +119,6 @@ class Communicator(ABC):
         """
         return self._run("reduce_scatter", plans.reduce_scatter, send, op, out)
 
-    def reduce_scatter_async(self, send: Any, op: str = "sum", *, out: Any = None) -> Handle:
-        """Start ``reduce_scatter`` and return a Handle; see ``reduce_scatter``. Collective."""
-        return self._start("reduce_scatter", plans.reduce_scatter, send, op, out)
-
     def allgather(self, send: Any, *, out: Any = None) -> Any:
         """Concatenate every rank's array along axis 0, in rank order, on every rank.
 
@@ -143,10 +133,6 @@ class Communicator(ABC):
             The gathered array (or list of arrays).
         """
         return self._run("allgather", plans.allgather, send, out)
-
-    def allgather_async(self, send: Any, *, out: Any = None) -> Handle:
-        """Start ``allgather`` and return a Handle; see ``allgather``. Collective."""
-        return self._start("allgather", plans.allgather, send, out)
 
     def broadcast(self, buf: Any, root: int = 0, *, out: Any = None) -> Any:
         """Copy rank ``root``'s array to every rank.
@@ -164,10 +150,6 @@ class Communicator(ABC):
         """
         return self._run("broadcast", plans.broadcast, buf, root, out)
 
-    def broadcast_async(self, buf: Any, root: int = 0, *, out: Any = None) -> Handle:
-        """Start ``broadcast`` and return a Handle; see ``broadcast``. Collective."""
-        return self._start("broadcast", plans.broadcast, buf, root, out)
-
     def reduce(self, send: Any, root: int = 0, op: str = "sum", *, out: Any = None) -> Any:
         """Reduce arrays element-wise across ranks onto rank ``root`` only.
 
@@ -184,6 +166,22 @@ class Communicator(ABC):
         """
         return self._run("reduce", plans.reduce, send, root, op, out)
 
+    def allreduce_async(self, send: Any, op: str = "sum", *, out: Any = None) -> Handle:
+        """Start ``allreduce`` and return a Handle; see ``allreduce``. Collective."""
+        return self._start("allreduce", plans.allreduce, send, op, out)
+
+    def reduce_scatter_async(self, send: Any, op: str = "sum", *, out: Any = None) -> Handle:
+        """Start ``reduce_scatter`` and return a Handle; see ``reduce_scatter``. Collective."""
+        return self._start("reduce_scatter", plans.reduce_scatter, send, op, out)
+
+    def allgather_async(self, send: Any, *, out: Any = None) -> Handle:
+        """Start ``allgather`` and return a Handle; see ``allgather``. Collective."""
+        return self._start("allgather", plans.allgather, send, out)
+
+    def broadcast_async(self, buf: Any, root: int = 0, *, out: Any = None) -> Handle:
+        """Start ``broadcast`` and return a Handle; see ``broadcast``. Collective."""
+        return self._start("broadcast", plans.broadcast, buf, root, out)
+
     def reduce_async(self, send: Any, root: int = 0, op: str = "sum", *, out: Any = None) -> Handle:
         """Start ``reduce`` and return a Handle; see ``reduce``. Collective."""
         return self._start("reduce", plans.reduce, send, root, op, out)
@@ -192,7 +190,8 @@ class Communicator(ABC):
         """Send an array (or a fused list) to rank ``peer``, which must ``recv`` it.
 
         Point to point: only this rank and ``peer`` take part. With the check on, a small header
-        (dtype, sizes, shapes) goes first so that a mismatched ``recv`` fails clearly.
+        (dtype, sizes, shapes) goes first so that a mismatched ``recv`` fails clearly. A send
+        to this rank itself waits, copied, for this rank's matching ``recv``.
         """
         self._threads.run(self._p2p(plans.send, send, peer), "send", peer, send)
 
@@ -208,11 +207,11 @@ class Communicator(ABC):
         MPI_Isend/MPI_Irecv would, so two ranks may each start a send to the other and then
         receive without deadlocking. Do not touch ``send`` until ``wait()`` returns.
         """
-        return self._start_p2p("send", self._p2p(plans.send, send, peer), peer, send)
+        return self._start_p2p("send", plans.send, send, peer)
 
     def recv_async(self, out: Any, peer: int) -> Handle:
         """Start ``recv`` into ``out`` and return a Handle whose ``wait()`` returns it."""
-        return self._start_p2p("recv", self._p2p(plans.recv, out, peer), peer, out)
+        return self._start_p2p("recv", plans.recv, out, peer)
 
     def barrier(self) -> None:
         """Wait until every rank has reached the barrier. Collective.
@@ -235,9 +234,24 @@ class Communicator(ABC):
             self._threads.run(self._consistency.settle, "verify_calls")
 
     def set_trace(self, trace: Any) -> None:
-        """Record every operation from now on in ``trace`` (a ``meta_dist.trace.Trace``; None
-        stops recording)."""
+        """Record every operation in ``trace`` (a ``meta_dist.trace.Trace``; None: stop)."""
         self._threads.trace = trace
+
+    def set_stall_timeout(self, seconds: float | None) -> None:
+        """Change the stall timeout (None or 0: no limit); META_DIST_STALL_TIMEOUT still wins.
+
+        Raises:
+            RuntimeError: a limit for a communicator made without a watchdog.
+        """
+        seconds, watchdog = resolve_stall_timeout(seconds), self._threads.watchdog
+        if watchdog is None and seconds:
+            raise RuntimeError(
+                f"stall_timeout {seconds:g}: this communicator was made without a stall "
+                "watchdog (stall_timeout None or META_DIST_STALL_TIMEOUT=0); make it with a "
+                "timeout")
+        if watchdog is not None:
+            watchdog.set_timeout(seconds)
+            self.stall_timeout = seconds
 
     def close(self) -> None:
         """Finish pending asynchronous work and release buffers; later calls raise RuntimeError."""
@@ -253,31 +267,18 @@ class Communicator(ABC):
                 self._threads.watchdog.stop()  # frees its side channel
             self._consistency.close()
             self._check_comm.Free()
-            self._check_comm = None
             self.closed = True
-
-    def set_stall_timeout(self, seconds: float | None) -> None:
-        """Change the stall timeout (None or 0: no limit); META_DIST_STALL_TIMEOUT still wins.
-
-        Raises:
-            RuntimeError: a limit for a communicator made without a watchdog.
-        """
-        seconds = resolve_stall_timeout(seconds)
-        watchdog = self._threads.watchdog
-        if watchdog is None and seconds:
-            raise RuntimeError(
-                f"stall_timeout {seconds:g}: this communicator was made without a stall "
-                "watchdog (stall_timeout None or META_DIST_STALL_TIMEOUT=0); make it with a "
-                "timeout")
-        if watchdog is not None:
-            watchdog.set_timeout(seconds)
-            self.stall_timeout = seconds
 
     # ---------------------------------------------------------- plans (check now, run later)
 
     def _run(self, api: str, make: Callable[..., plans.Run], *args: Any) -> Any:
         """Plan a collective and run it now (or behind the queued ones); return its result."""
         return self._threads.run(self._plan(api, make, *args), api, arrays=args[0])
+
+    def _start(self, api: str, make: Callable[..., plans.Run], *args: Any) -> Handle:
+        """Plan a collective and queue it on the communication thread; return its Handle."""
+        self._check_threads(api)
+        return self._threads.start(self._plan(api, make, *args), api, arrays=args[0])
 
     def _plan(self, api: str, make: Callable[..., plans.Run], *args: Any) -> plans.Run:
         """Return ``make(self, *args)``, the call checked; a refusal is told to the peers.
@@ -286,7 +287,6 @@ class Communicator(ABC):
         only (a read-only ``out`` here, say) would leave the others waiting in the check. Told,
         they raise there at once, naming the refusal (see ``ConsistencyCheck.refuse``).
         """
-        self._device_xp = None  # set by _inputs for CuPy arrays
         try:
             run = make(self, *args)
         except Exception as error:  # anything refused before the check
@@ -294,65 +294,31 @@ class Communicator(ABC):
                 reason = f"{type(error).__name__}: {error}"
                 self._threads.run(lambda: self._consistency.refuse(api, reason), api)
             raise
-        run = run if self.check else _advised(run, api)
-        return run if self._device_xp is None else self._on_stream(run)
+        return self._on_device(run if self.check else _advised(run, api), args[0])
 
-    def _p2p(self, make: Callable[..., plans.Run], *args: Any) -> plans.Run:
-        """Return ``make(self, *args)`` for a send or receive, on the caller's stream for CuPy.
+    def _p2p(self, make: Callable[..., plans.Run], arrays: Any, peer: int) -> plans.Run:
+        """Plan a send or receive. Only two ranks take part: a refusal is this rank's alone."""
+        return self._on_device(make(self, arrays, peer), arrays)
 
-        Only two ranks take part, so a refusal is this rank's alone: no peers to tell.
-        """
-        self._device_xp = None
-        run = make(self, *args)
-        return run if self._device_xp is None else self._on_stream(run)
+    def _start_p2p(self, api: str, make: Callable[..., plans.Run], arrays: Any,
+                   peer: int) -> Handle:
+        self._check_threads(api)
+        run = self._p2p(make, arrays, peer)
+        problem = self._async_p2p_problem()
+        if problem is not None:
+            raise NotImplementedError(f"{api}_async: {problem}; use the blocking {api} (pair "
+                                      "sends and receives in the same order on both ranks)")
+        return self._threads.start(run, api, peer, arrays)
 
-    def _on_stream(self, run: plans.Run) -> plans.Run:
-        """Order a CuPy call after its caller's stream, and that stream after it (any thread).
-
-        See ``comm.streams``: the caller's stream is captured now, in the caller's thread.
-        """
-        ticket = Ticket(self._device_xp)
-
-        def on_stream() -> Any:
-            with self._stream_for(ticket):
-                return run()
-
-        on_stream.after = ticket.after  # type: ignore[attr-defined]  (see CommThreads.run)
-        return on_stream
-
-    @contextlib.contextmanager
-    def _stream_for(self, ticket: Ticket) -> Iterator[None]:
-        """Run a call's device work on this communicator's stream, after the caller's."""
-        import cupy
-
-        with cupy.cuda.Device(ticket.device):
-            stream = self._device_stream()
-            stream.wait_event(ticket.ready)
-            with stream:
-                yield
-            ticket.done = stream.record()
-
-    def _device_stream(self) -> Any:
-        """This communicator's own non-blocking stream (made on first use, on this device).
-
-        The MPI backend's copies to and from host buffers run there; the host waits for them.
-        """
-        if self._stream is None:
-            import cupy
-
-            self._stream = cupy.cuda.Stream(non_blocking=True)
-        return self._stream
-
-    # ---------------------------------------------------------------- checks on this rank
+    # ---------------------------------------------------------------- steps of every plan
 
     def _inputs(self, api: str, arrays: Any) -> tuple[list[Any], bool]:
+        """Check the arrays a call reads (``checks.inputs``, then the backend's own check)."""
         if self.closed:
             raise RuntimeError(f"{api} called after close(); create a new communicator "
                                "(meta_dist.init() or meta_dist.make_communicator) first")
         sends, is_list = checks.inputs(api, arrays)
         self._check_arrays(api, sends)
-        if is_cupy_array(sends[0]):
-            self._device_xp = array_module(sends[0])
         return sends, is_list
 
     def _outputs(self, api: str, out: Any, sends: list[Any],
@@ -377,15 +343,12 @@ class Communicator(ABC):
             checks.check_alias(api, sends[0], outs[0], self.rank, self._address)
         return outs, None
 
-    def _check_arrays(self, api: str, arrays: list[Any]) -> None:  # noqa: B027 (optional hook)
-        """Let a backend refuse arrays it cannot move (e.g. host arrays on NCCL)."""
-
-    @staticmethod
-    def _address(arr: Any) -> int:
-        """Return the address of an array's data (a backend may know a cheaper way)."""
-        return data_ptr(arr)
-
-    # ---------------------------------------------------------------- shared steps
+    def _on_device(self, run: plans.Run, arrays: Any) -> plans.Run:
+        """Place a call on CuPy arrays on this communicator's stream (``comm.streams``)."""
+        if type(arrays) is np.ndarray:  # the common case, decided in one type test
+            return run
+        first = arrays[0] if isinstance(arrays, (list, tuple)) else arrays
+        return self.stream.place(run) if is_cupy_array(first) else run
 
     def _average(self, flat: Any, op: str) -> None:
         """Divide sums by size for op "avg": the only place gradients get averaged."""
@@ -397,39 +360,29 @@ class Communicator(ABC):
         if self.size > 1:
             self._consistency.verify(api, arrays, DTYPES, op, root)
 
-    # ------------------------------------------------------------ running on a thread
+    def _check_arrays(self, api: str, arrays: list[Any]) -> None:  # noqa: B027 (optional hook)
+        """Let a backend refuse arrays it cannot move (e.g. host arrays on NCCL)."""
 
-    def _start(self, api: str, make: Callable[..., plans.Run], *args: Any) -> Handle:
-        """Start an async collective on the communication thread.
+    @staticmethod
+    def _address(arr: Any) -> int:
+        """Return the address of an array's data (a backend may know a cheaper way)."""
+        return data_ptr(arr)
 
-        Refused first if MPI forbids threads: then every rank stops here, and none has told its
-        peers about refused arguments in a check that they would never reach.
-        """
-        self._check_threads(api)
-        return self._threads.start(self._plan(api, make, *args), api, arrays=args[0])
-
-    def _start_p2p(self, api: str, run: plans.Run, peer: int, arrays: Any) -> Handle:
-        self._check_threads(api)
-        problem = self._async_p2p_problem(arrays)
-        if problem is not None:
-            raise NotImplementedError(f"{api}_async: {problem}; use the blocking {api} (pair "
-                                      "sends and receives in the same order on both ranks)")
-        return self._threads.start(run, api, peer, arrays)
+    # ------------------------------------------------------------ threads and settings
 
     def _check_threads(self, api: str) -> None:
         """Refuse work on a communication thread unless MPI allows calls from any thread."""
         if self._thread_level < MPI.THREAD_MULTIPLE:
-            names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
-                     MPI.THREAD_SERIALIZED: "serialized"}
+            level = next((word for name, word in THREAD_LEVELS.items()
+                          if getattr(MPI, name) == self._thread_level), self._thread_level)
             raise RuntimeError(
-                f"{api}_async: MPI was initialised with thread level "
-                f"{names.get(self._thread_level, self._thread_level)!r}, and the async "
+                f"{api}_async: MPI was initialised with thread level {level!r}, and the async "
                 "collectives (and the trainer's overlap_comm) call MPI from a communication "
                 "thread, which needs 'multiple'; leave mpi4py.rc.thread_level at its default "
                 "('multiple') before MPI starts, or call the blocking collective (overlap_comm: "
                 "false in meta_dist_config)")
 
-    def _async_p2p_problem(self, arrays: Any) -> str | None:
+    def _async_p2p_problem(self) -> str | None:
         """Return why this backend cannot run point-to-point asynchronously, or None."""
         return None
 
@@ -447,8 +400,6 @@ class Communicator(ABC):
 
     def _worker_started(self) -> None:  # noqa: B027 (optional hook)
         """Called first on each communication thread; backends set per-thread state here."""
-
-    # ------------------------------------------------------------ settings every rank shares
 
     def _call_settings(self) -> dict[str, Any]:
         """Return the backend's settings that decide which library calls a collective makes."""

@@ -158,21 +158,21 @@ def check_alias(api: str, send: Any, out: Any, rank: int,
     the collective has already overwritten. ``address`` gives an array's data address (a
     backend may pass a cheaper one than ``xp.data_ptr``).
     """
-    if memory_owner(send) is not memory_owner(out):  # separate allocations cannot overlap
-        return
     start, first = address(send), address(out)
     stop, last = start + send.nbytes, first + out.nbytes
-    if last <= start or stop <= first:
+    if last <= start or stop <= first:  # separate memory
         return
     if api == "reduce_scatter":
-        allowed, where = first == start + rank * out.nbytes, "this rank's rows"
-        rule = f"send[{rank}*m:({rank}+1)*m]"
+        allowed = first == start + rank * out.nbytes
     elif api == "allgather":
-        allowed, where = start == first + rank * send.nbytes, "this rank's rows of out"
-        rule = f"send to be out[{rank}*m:({rank}+1)*m]"
+        allowed = start == first + rank * send.nbytes
     else:
-        allowed, where, rule = (first, last) == (start, stop), "exactly", "send itself"
+        allowed = (first, last) == (start, stop)
     if not allowed:
+        where, rule = {
+            "reduce_scatter": ("this rank's rows", f"send[{rank}*m:({rank}+1)*m]"),
+            "allgather": ("this rank's rows of out", f"send to be out[{rank}*m:({rank}+1)*m]"),
+        }.get(api, ("exactly", "send itself"))
         raise ValueError(f"{api}: out overlaps send elsewhere than {where}; expected out to be "
                          f"{rule} (in place) or separate memory")
 

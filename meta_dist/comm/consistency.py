@@ -60,6 +60,7 @@ class ConsistencyCheck:
         self._pair = np.empty(2, np.int64)
         self._sent = memoryview(self._pair).cast("B")
         self._result = np.empty(2, np.int64)
+        self._received = memoryview(self._result).cast("B")
         # A persistent allreduce (MPI-4) on these buffers costs less per check than
         # MPI_Allreduce (`bench collectives --check-cost`). Collective to make.
         self._request: MPI.Prequest | None = None
@@ -87,7 +88,7 @@ class ConsistencyCheck:
         pair, code = found
         if not self.every_call:
             self._running = (self._running * 1099511628211 + code + 1) % (1 << 62)
-        elif self._exchange(pair) != pair:  # max(h) == h and min(h) == h: every rank agrees
+        elif not self._agrees(pair):  # max(h) == h and min(h) == h: every rank agrees
             self._mismatch(api, _call(api, arrays, op, root))
 
     def settle(self) -> None:
@@ -98,8 +99,7 @@ class ConsistencyCheck:
         if self.every_call:
             return
         code, self._running = self._running, 0
-        pair = np.array([code, -code], np.int64).tobytes()
-        if self._exchange(pair) != pair:
+        if not self._agrees(np.array([code, -code], np.int64).tobytes()):
             raise ValueError(
                 "collectives: the ranks' calls since the last comparison differed (in "
                 "collective, op, root, dtype or shapes), so their results are not to be "
@@ -113,7 +113,7 @@ class ConsistencyCheck:
         this rank only, say): its peers raise at once instead of waiting for it. The caller
         raises its own error afterwards. Collective, in the place of ``verify``.
         """
-        self._exchange(REFUSED_PAIR)
+        self._agrees(REFUSED_PAIR)
         self.comm.allgather({"refused": f"{api} ({reason})"})
 
     def _mismatch(self, api: str, call: dict[str, Any]) -> None:
@@ -133,15 +133,15 @@ class ConsistencyCheck:
             f"different arrays or called different collectives: {listing}; every rank must call "
             "the same collective with the same shapes, dtype, op and root")
 
-    def _exchange(self, pair: bytes) -> bytes:
-        """Allreduce (max) this rank's pair with every rank's; return the result's bytes."""
+    def _agrees(self, pair: bytes) -> bool:
+        """Allreduce (max) this rank's pair with every rank's; return whether it came back."""
         self._sent[:] = pair
         if self._request is not None:
             self._request.Start()
             self._request.Wait()
         else:
             self.comm.Allreduce(self._pair, self._result, op=MPI.MAX)
-        return self._result.tobytes()
+        return self._received == pair
 
     def close(self) -> None:
         """Release the persistent request (before its communicator is freed)."""

@@ -1,8 +1,10 @@
 """MpiCommunicator: collectives on host (numpy) buffers through mpi4py.
 
-Imports numpy, mpi4py, meta_dist.comm.base / staging and meta_dist.xp. CuPy arrays reach the
-same primitives through ``comm.staging``: copied through host buffers, or handed to a CUDA-aware
-MPI when META_DIST_CUDA_AWARE_MPI=1 says the library is one.
+Imports numpy, mpi4py, meta_dist.comm.base / checks and meta_dist.xp. CuPy arrays reach the
+same primitives through pinned host buffers (``plans.Fusion`` packs them there and back), or,
+when META_DIST_CUDA_AWARE_MPI=1 says the library is CUDA-aware, as they are: no portable call
+says whether a library is one, and a device pointer handed to one that is not (the PyPI Open
+MPI and MPICH wheels) crashes, so it is an explicit opt-in, agreed by every rank.
 
 Small messages go straight to the library (its latency is hard to beat). Large reductions use a
 pairwise exchange on persistent buffers: for k = 1..size-1 each rank sends the chunk owned by
@@ -18,6 +20,7 @@ exchange starts to pay; ``PAIRWISE_MIN_BYTES`` holds the answer.
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Any
 
 import numpy as np
@@ -25,22 +28,28 @@ from meta_dist.lazy_mpi import MPI
 
 from meta_dist.comm.base import Communicator
 from meta_dist.comm.checks import DTYPES
-from meta_dist.comm.staging import HostStaging, cuda_aware_requested, staged
 from meta_dist.connector import MPIConnector
-from meta_dist.xp import array_module, data_ptr, gpu_count, select_device
+from meta_dist.xp import array_module, data_ptr, gpu_count, is_cupy_array, select_device
+
+ENV_CUDA_AWARE = "META_DIST_CUDA_AWARE_MPI"
 
 MPI_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN", "prod": "PROD"}  # MPI's names
 UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 # Open MPI 5.0's MPI_SUM on MPI_UNSIGNED_CHAR saturates at 255 (seen with the PyPI wheel) where
 # numpy and C wrap modulo 256, and MPI has no bfloat16 at all: these dtypes are always reduced
 # by numpy in the pairwise path (bfloat16 travels as its 16 raw bits).
-NUMPY_REDUCED_DTYPES = (np.dtype(np.uint8),) + tuple(
-    d for d in DTYPES if d.name == "bfloat16")  # MPI has no bfloat16
+NUMPY_REDUCED = frozenset(d.char for d in DTYPES if d.name in ("uint8", "bfloat16"))
 PAIRWISE_MIN_BYTES = {"allreduce": 16 * 2**20, "reduce_scatter": 128 * 1024}
 SEGMENT_BYTES = 512 * 1024
 # Tags: the pairwise exchange uses Sendrecv on the communicator that also carries the user's
 # send/recv (on their own threads); with one tag a collective could take a user's message.
 P2P_TAG, EXCHANGE_TAG = 0, 1
+
+
+def cuda_aware_requested() -> bool:
+    """Return True when META_DIST_CUDA_AWARE_MPI says the MPI library takes device pointers."""
+    value = os.environ.get(ENV_CUDA_AWARE, "").strip().lower()
+    return value not in ("", "0", "false", "no", "off")
 
 
 class MpiCommunicator(Communicator):
@@ -61,7 +70,8 @@ class MpiCommunicator(Communicator):
                  segment_bytes: int = SEGMENT_BYTES, **kwargs: Any) -> None:
         self.pairwise_min_bytes = {**PAIRWISE_MIN_BYTES, **(pairwise_min_bytes or {})}
         self.segment_bytes = segment_bytes
-        self.staging = HostStaging(cuda_aware=cuda_aware_requested())
+        self.cuda_aware = cuda_aware_requested()
+        self.stages_device_arrays = not self.cuda_aware
         super().__init__(connector, **kwargs)
         self._comm: MPI.Comm = connector.comm.Dup()
         self._ops = {name: getattr(MPI, mpi_name) for name, mpi_name in MPI_OPS.items()}
@@ -70,14 +80,7 @@ class MpiCommunicator(Communicator):
     def _call_settings(self) -> dict[str, Any]:
         """See ``Communicator._call_settings``: the pairwise thresholds, CUDA-aware MPI."""
         return {"pairwise_min_bytes": self.pairwise_min_bytes, "segment_bytes": self.segment_bytes,
-                "cuda_aware_mpi": self.staging.cuda_aware}
-
-    def _async_p2p_problem(self, arrays: Any) -> str | None:
-        first = arrays[0] if isinstance(arrays, (list, tuple)) and arrays else arrays
-        if type(first) is np.ndarray or self.staging.cuda_aware:
-            return None
-        return ("CuPy arrays through the MPI backend are staged through host buffers shared by "
-                "send and receive, so only one may run at a time")
+                "cuda_aware_mpi": self.cuda_aware}
 
     def _worker_started(self) -> None:
         """Make this rank's GPU current on the async thread too (CUDA's device is per thread)."""
@@ -91,13 +94,12 @@ class MpiCommunicator(Communicator):
 
     # ---------------------------------------------------------------- primitives
 
-    @staged("allreduce")
     def _allreduce(self, send: Any, recv: Any, op: str) -> None:
         if self.size == 1 or self._library_reduces(send, "allreduce"):
             if recv is not send:  # the standard asks every rank for MPI_IN_PLACE, or none
                 recv[...] = send
             if self.size > 1:
-                self._comm.Allreduce(MPI.IN_PLACE, recv, op=self._ops[op])
+                self._comm.Allreduce(MPI.IN_PLACE, _wire(recv), op=self._ops[op])
             return
         bounds = chunk_bounds(send.size, self.size)
         self._pairwise_reduce(send, recv[bounds[self.rank] : bounds[self.rank + 1]], bounds, op)
@@ -105,38 +107,33 @@ class MpiCommunicator(Communicator):
         wire = _wire(recv)
         self._comm.Allgatherv(MPI.IN_PLACE, [wire, counts, bounds[:-1], _mpi_type(wire)])
 
-    @staged("reduce_scatter")
     def _reduce_scatter(self, send: Any, recv: Any, op: str) -> None:
-        in_place = self._address(recv) == self._address(send) + self.rank * recv.nbytes
+        in_place = _overlap(send, recv)  # only as this rank's rows (checks.check_alias)
         if self.size == 1:
             if not in_place:
                 recv[...] = send
             return
         if not self._library_reduces(send, "reduce_scatter"):
             self._pairwise_reduce(send, recv, [r * recv.size for r in range(self.size + 1)], op)
-        elif in_place:  # MPI_IN_PLACE means rows 0..m of send there: reduce into scratch
-            scratch = self._scratch_buffer(recv, recv.size)[: recv.size]
-            self._comm.Reduce_scatter_block(send, scratch, op=self._ops[op])
-            recv[...] = scratch
+        elif in_place:  # MPI_IN_PLACE means rows 0..m of send there: reduce into a copy
+            result = array_module(recv).empty_like(recv)  # small (the library's sizes): cheap
+            self._comm.Reduce_scatter_block(_wire(send), _wire(result), op=self._ops[op])
+            recv[...] = result
         else:
-            self._comm.Reduce_scatter_block(send, recv, op=self._ops[op])
+            self._comm.Reduce_scatter_block(_wire(send), _wire(recv), op=self._ops[op])
 
-    @staged("allgather")
     def _allgather(self, send: Any, recv: Any) -> None:
-        mine = recv[self.rank * send.size : (self.rank + 1) * send.size]
-        if self._address(mine) != self._address(send):  # MPI_IN_PLACE everywhere, as MPI asks
-            mine[...] = send
+        if not _overlap(send, recv):  # MPI_IN_PLACE everywhere, as MPI asks
+            recv[self.rank * send.size : (self.rank + 1) * send.size] = send
         if self.size > 1:
             self._comm.Allgather(MPI.IN_PLACE, _wire(recv))
 
-    @staged("broadcast")
     def _broadcast(self, buf: Any, root: int) -> None:
         if self.size > 1:
             self._comm.Bcast(_wire(buf), root=root)
 
-    @staged("reduce")
     def _reduce(self, send: Any, recv: Any, op: str, root: int) -> None:
-        if self.size > 1 and send.dtype in NUMPY_REDUCED_DTYPES:  # rare: no faster way needed
+        if self.size > 1 and send.dtype.char in NUMPY_REDUCED:  # rare: no faster way needed
             total = array_module(send).empty_like(send)
             self._allreduce(send, total, op)
             if recv is not None:
@@ -145,15 +142,13 @@ class MpiCommunicator(Communicator):
             if recv is not send:
                 recv[...] = send
             if self.size > 1:
-                self._comm.Reduce(MPI.IN_PLACE, recv, op=self._ops[op], root=root)
+                self._comm.Reduce(MPI.IN_PLACE, _wire(recv), op=self._ops[op], root=root)
         else:
-            self._comm.Reduce(send, None, op=self._ops[op], root=root)
+            self._comm.Reduce(_wire(send), None, op=self._ops[op], root=root)
 
-    @staged("send")
     def _send(self, buf: Any, peer: int) -> None:
         self._comm.Send(_wire(buf), dest=peer, tag=P2P_TAG)
 
-    @staged("recv")
     def _recv(self, buf: Any, peer: int) -> None:
         self._comm.Recv(_wire(buf), source=peer, tag=P2P_TAG)
 
@@ -162,14 +157,13 @@ class MpiCommunicator(Communicator):
 
     def _close_backend(self) -> None:
         self._scratch.clear()
-        self.staging.clear()
         self._comm.Free()
 
     # ---------------------------------------------------------------- the pairwise reduction
 
     def _library_reduces(self, send: Any, api: str) -> bool:
         return (send.nbytes < self.pairwise_min_bytes[api]
-                and send.dtype not in NUMPY_REDUCED_DTYPES)
+                and send.dtype.char not in NUMPY_REDUCED)
 
     def _pairwise_reduce(self, send: Any, mine: Any, bounds: list[int], op: str) -> None:
         """Reduce chunk ``rank`` of ``send`` across ranks into ``mine``.
@@ -181,7 +175,7 @@ class MpiCommunicator(Communicator):
         """
         ufunc, rank, size = UFUNCS[op], self.rank, self.size
         own = send[bounds[rank] : bounds[rank + 1]]
-        in_place = self._address(mine) == self._address(own)
+        in_place = _overlap(mine, own)
         seg = max(1, self.segment_bytes // send.itemsize)
         longest = max(hi - lo for lo, hi in itertools.pairwise(bounds))
         scratch = self._scratch_buffer(send, min(seg, longest))
@@ -212,11 +206,26 @@ def chunk_bounds(numel: int, parts: int) -> list[int]:
     return [r * base + min(r, extra) for r in range(parts + 1)]
 
 
+def _overlap(a: Any, b: Any) -> bool:
+    """Return whether two buffers share memory: for a primitive, whether it runs in place.
+
+    The plans pass only the exact in-place spellings (``checks.check_alias``).
+    """
+    start, other = MpiCommunicator._address(a), MpiCommunicator._address(b)
+    return start < other + b.nbytes and other < start + a.nbytes
+
+
 def _mpi_type(arr: Any) -> MPI.Datatype:
     """Return the predefined MPI datatype of an array's dtype (for explicit buffer specs)."""
     return MPI._typedict[arr.dtype.char]
 
 
 def _wire(arr: Any) -> Any:
-    """Return ``arr`` as MPI can move it: a dtype MPI lacks (bfloat16) as its raw 16 bits."""
+    """Return ``arr`` as MPI can move it: a dtype MPI lacks (bfloat16) as its raw 16 bits.
+
+    Device memory (CUDA-aware MPI) once the stream has finished writing it: MPI cannot order
+    itself after pending kernels, so the host waits for them here, before every library call.
+    """
+    if type(arr) is not np.ndarray and is_cupy_array(arr):
+        array_module(arr).cuda.get_current_stream().synchronize()
     return arr.view(np.uint16) if arr.dtype.char not in MPI._typedict else arr

@@ -1,14 +1,12 @@
 """NcclCommunicator: collectives on CuPy arrays through NCCL (``cupy.cuda.nccl``).
 
-Imports meta_dist.comm.base, meta_dist.connector and meta_dist.xp; cupy only inside functions,
-so this module imports, and ``nccl_unavailable_reason`` answers, where cupy is missing. Imported
-lazily by ``meta_dist.comm.make_communicator`` and ``meta_dist.distributed``.
+Imports meta_dist.comm.base / streams, meta_dist.connector, meta_dist.gpus and meta_dist.watchdog;
+cupy only inside functions, so this module imports where cupy is missing (``meta_dist.gpus``
+says why NCCL cannot run). Imported lazily by ``meta_dist.comm.make_communicator``.
 """
 
 from __future__ import annotations
 
-import os
-import platform
 import time
 from collections import deque
 from collections.abc import Callable
@@ -17,8 +15,9 @@ from typing import Any
 from meta_dist.comm.base import Communicator
 from meta_dist.connector import MPIConnector
 from meta_dist.errors import UsageError
+from meta_dist.gpus import gpu_survey, nccl_version, ranks_problem
 from meta_dist.watchdog import DEFAULT_STALL_TIMEOUT_S, StallWatchdog, resolve_stall_timeout
-from meta_dist.xp import is_cupy_array, select_device
+from meta_dist.xp import is_cupy_array
 
 # cupy.cuda.nccl's names for the ncclDataType_t and ncclRedOp_t of each dtype and op, looked up
 # when a communicator is made, and their values in nccl.h where a CuPy lacks the name (CuPy 13
@@ -38,62 +37,7 @@ AVG_AND_BF16_VERSION = (2, 10, 0)  # ncclAvg and ncclBfloat16 appeared together
 NCCL_STATUS = {1: "unhandled cuda error", 2: "system error", 3: "internal error",
                4: "invalid argument", 5: "invalid usage", 6: "remote error",
                7: "in progress", 8: "timeout"}
-INSTALL_HINT = ("pip install 'meta_dist[gpu]' (cupy-cuda12x and nvidia-nccl-cu12; on CUDA 13 "
-                "use cupy-cuda13x and nvidia-nccl-cu13), or use backend: mpi")
-MULTI_RANK_GPU_VERSION = (2, 30, 0)  # first NCCL that lets ranks share a GPU (opt-in variable)
 ABORTED = "the communicator is aborted (make a new one); NCCL_DEBUG=WARN shows NCCL's own log"
-
-
-def nccl_unavailable_reason() -> str | None:
-    """Return why NCCL cannot run in this process, or None when it can.
-
-    Local: asks only this process (cupy imports, libnccl loads, a GPU is visible). To decide for
-    the job, gather it from every rank (``connector.allgather``) so all ranks choose alike.
-    """
-    try:
-        import cupy
-    except Exception as error:  # ImportError, or a CUDA library that fails to load
-        return (f"backend 'nccl' needs cupy with NCCL (import cupy failed: {error}); install "
-                f"them: {INSTALL_HINT}")
-    try:
-        from cupy.cuda import nccl
-        loaded = bool(nccl.available)
-    except Exception:
-        loaded = False
-    if not loaded:
-        return ("backend 'nccl' needs NCCL (cupy.cuda.nccl could not load libnccl.so.2; "
-                f"CUPY_DEBUG_LIBRARY_LOAD=1 shows why); install it: {INSTALL_HINT}")
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as error:  # no driver, or CUDA_VISIBLE_DEVICES hides every device
-        count, why = 0, f"{type(error).__name__}: {error}"
-    else:
-        why = "getDeviceCount() == 0"
-    if count == 0:
-        return (f"backend 'nccl' needs a CUDA GPU; got none visible ({why}); run where a GPU "
-                "and its driver are visible (check CUDA_VISIBLE_DEVICES) with a cupy for the "
-                f"driver's CUDA: {INSTALL_HINT}")
-    return None
-
-
-def decode_nccl_version(code: int) -> tuple[int, int, int]:
-    """Return (major, minor, patch) of an NCCL version code.
-
-    NCCL >= 2.9 encodes X*10000 + Y*100 + Z; older ones X*1000 + Y*100 + Z (nccl.h NCCL_VERSION).
-    """
-    if code < 10000:
-        return code // 1000, code % 1000 // 100, code % 100
-    return code // 10000, code % 10000 // 100, code % 100
-
-
-def nccl_version() -> tuple[int, int, int] | None:
-    """Return the loaded NCCL's (major, minor, patch), or None when NCCL does not load."""
-    try:
-        from cupy.cuda import nccl
-
-        return decode_nccl_version(int(nccl.get_version())) if nccl.available else None
-    except Exception:  # no cupy, or no libnccl: there is no version to report
-        return None
 
 
 def broadcast_unique_id(connector: MPIConnector) -> Any:
@@ -120,20 +64,6 @@ def broadcast_unique_id(connector: MPIConnector) -> Any:
     return value
 
 
-def ranks_problem(api: str, problems: list[str | None]) -> str | None:
-    """Return one message naming every rank with a problem (by rank index), or None."""
-    by_problem: dict[str, list[int]] = {}
-    for rank, problem in enumerate(problems):
-        if problem is not None:
-            by_problem.setdefault(problem, []).append(rank)
-    if not by_problem:
-        return None
-    count = sum(len(ranks) for ranks in by_problem.values())
-    parts = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: "
-                      f"{problem}" for problem, ranks in by_problem.items())
-    return f"{api}: NCCL cannot run on {count} of {len(problems)} ranks; {parts}"
-
-
 def _agree(connector: MPIConnector, api: str, problem: str | None) -> None:
     """Raise RuntimeError on every rank when any rank has a problem. Collective."""
     message = ranks_problem(api, connector.allgather(problem))
@@ -146,45 +76,6 @@ def _describe(error: BaseException) -> str:
         status = error.args[0]
         return f"NCCL status {status} ({NCCL_STATUS.get(status, 'unknown')})"
     return f"{type(error).__name__}: {error}"
-
-
-def gpu_survey(connector: MPIConnector) -> tuple[int, list[str | None]]:
-    """Make this rank's GPU current; return it and why NCCL cannot run on each rank. Collective.
-
-    A rank's entry is None where NCCL can run: cupy and libnccl load, a GPU is visible, and no
-    other rank uses the same GPU unless NCCL lets them share it (NCCL >= 2.30 with
-    NCCL_MULTI_RANK_GPU_ENABLE=1, gpu_facts.md 2). Every rank gets the same list, so every rank
-    decides alike (``backend: auto``) or raises alike (``backend: nccl``).
-
-    Returns:
-        This rank's device (-1 where none could be selected) and the per-rank reasons.
-    """
-    problem, device, bus = nccl_unavailable_reason(), -1, None
-    if problem is None:
-        try:
-            device = select_device(connector.local_rank)
-            import cupy
-
-            bus = cupy.cuda.Device(device).pci_bus_id
-        except Exception as error:
-            problem = f"selecting a GPU for local rank {connector.local_rank}: {error}"
-    may_share = (os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"
-                 and (nccl_version() or (0, 0, 0)) >= MULTI_RANK_GPU_VERSION)
-    everyone = connector.allgather((problem, platform.node(), bus, may_share))
-    users: dict[tuple[str, str], list[int]] = {}
-    for rank, (_, host, gpu, _) in enumerate(everyone):
-        if gpu is not None:
-            users.setdefault((host, gpu), []).append(rank)
-    problems = [p for p, _, _, _ in everyone]
-    for (host, gpu), ranks in users.items():
-        if len(ranks) > 1 and not all(everyone[r][3] for r in ranks):
-            for r in ranks:
-                problems[r] = problems[r] or (
-                    f"ranks {', '.join(map(str, ranks))} share GPU {gpu} on {host}; got "
-                    f"{len(ranks)} ranks on one GPU, expected one GPU per rank; start one rank "
-                    "per GPU, set NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL >= 2.30, experimental), "
-                    "or use backend: mpi")
-    return device, problems
 
 
 class NcclCommunicator(Communicator):
@@ -261,6 +152,7 @@ class NcclCommunicator(Communicator):
         if not new:  # no ncclAvg: a sum, divided by the base
             self._ops["avg"] = self._ops["sum"]
         self._stream = cupy.cuda.Stream(non_blocking=True) if stream is None else stream
+        self.stream.stream = self._stream  # calls on CuPy arrays run there (comm.streams)
         self._token = cupy.zeros(1, cupy.float32)  # barrier's one-element allreduce
         # (done event, arrays it uses, operation, its sequence number (None: point to point),
         # when it was enqueued), oldest first
@@ -348,7 +240,7 @@ class NcclCommunicator(Communicator):
                     f"{'.'.join(map(str, self.version))}; install a newer nvidia-nccl wheel, "
                     "or use backend: mpi")
 
-    def _async_p2p_problem(self, arrays: Any) -> str | None:
+    def _async_p2p_problem(self) -> str | None:
         return ("the nccl backend has no independent point-to-point operations (one NCCL "
                 "communicator must not be driven from several threads)")
 

@@ -15,6 +15,7 @@ import math
 import sys
 import threading
 from collections.abc import Callable
+from queue import SimpleQueue
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -22,7 +23,7 @@ import numpy as np
 from meta_dist.comm import checks
 from meta_dist.comm.checks import DTYPES, REDUCE_OPS, SCATTER_OPS, flat_view
 from meta_dist.comm.consistency import shape_code
-from meta_dist.xp import array_module, split_buffer
+from meta_dist.xp import array_module, is_cupy_array, split_buffer
 
 if TYPE_CHECKING:
     from meta_dist.comm.base import Communicator
@@ -43,7 +44,7 @@ def allreduce(c: Communicator, send: Any, op: str, out: Any) -> Run:
         flat_send, flat_out, unpack_into = c.fusion.fuse(sends, outs, fresh)
         c._allreduce(flat_send, flat_out, op)
         c._average(flat_out, op)
-        unpack(flat_out, unpack_into)
+        c.fusion.unpack(flat_out, unpack_into)
         return outs if is_list else outs[0]
 
     return run
@@ -57,10 +58,11 @@ def reduce_scatter(c: Communicator, send: Any, op: str, out: Any) -> Run:
     shapes = [checks.scatter_shape(s.shape, c.size) for s in sends]
     outs, _ = c._outputs("reduce_scatter", out, sends, shapes, is_list)
     c.traffic.count("reduce_scatter", sends)
+    direct = c.fusion.direct(sends)
 
     def run() -> Any:
         c._fingerprint("reduce_scatter", sends, op=op)
-        if len(sends) == 1:
+        if direct:
             mine = flat_view(outs[0])
             c._reduce_scatter(flat_view(sends[0]), mine, op)
         else:  # rank-major packing: rank r's segment holds row block r of every array
@@ -70,7 +72,7 @@ def reduce_scatter(c: Communicator, send: Any, op: str, out: Any) -> Run:
             mine = buf[c.rank * seg : (c.rank + 1) * seg]
             c._reduce_scatter(buf, mine, op)
         c._average(mine, op)
-        unpack(mine, outs if len(sends) > 1 else None)
+        c.fusion.unpack(mine, None if direct else outs)
         return outs if is_list else outs[0]
 
     return run
@@ -83,10 +85,11 @@ def allgather(c: Communicator, send: Any, out: Any) -> Run:
     shapes = [checks.gather_shape(s.shape, c.size) for s in sends]
     outs, _ = c._outputs("allgather", out, sends, shapes, is_list)
     c.traffic.count("allgather", sends)
+    direct = c.fusion.direct(sends)
 
     def run() -> Any:
         c._fingerprint("allgather", sends)
-        if len(sends) == 1:
+        if direct:
             c._allgather(flat_view(sends[0]), flat_view(outs[0]))
             return outs if is_list else outs[0]
         seg = sum(s.size for s in sends)
@@ -96,9 +99,9 @@ def allgather(c: Communicator, send: Any, out: Any) -> Run:
         c._allgather(mine, buf)
         by_rank, start = buf.reshape(c.size, seg), 0
         for o, s in zip(outs, sends, strict=True):
-            o.reshape(c.size, -1)[...] = by_rank[:, start : start + s.size]
+            c.fusion.copy(o.reshape(c.size, -1), by_rank[:, start : start + s.size])
             start += s.size
-        return outs
+        return outs if is_list else outs[0]
 
     return run
 
@@ -117,7 +120,7 @@ def broadcast(c: Communicator, buf: Any, root: int, out: Any) -> Run:
         if is_root and flat_out is not flat_buf:
             flat_out[...] = flat_buf
         c._broadcast(flat_out, root)
-        unpack(flat_out, unpack_into)
+        c.fusion.unpack(flat_out, unpack_into)
         return outs if is_list else outs[0]
 
     return run
@@ -139,7 +142,7 @@ def reduce(c: Communicator, send: Any, root: int, op: str, out: Any) -> Run:
         if not is_root:
             return None
         c._average(flat_out, op)
-        unpack(flat_out, unpack_into)
+        c.fusion.unpack(flat_out, unpack_into)
         return outs if is_list else outs[0]
 
     return run
@@ -148,26 +151,26 @@ def reduce(c: Communicator, send: Any, root: int, op: str, out: Any) -> Run:
 def send(c: Communicator, send: Any, peer: int) -> Run:
     """Plan ``Communicator.send``: a header first (with the check on), then the data.
 
-    To this rank itself, a copy waits in ``c.to_self`` for the matching ``recv``: MPI's own
-    send to oneself blocks until a receive is posted, which from one thread never happens.
+    To this rank itself, a copy waits in ``c.fusion.to_self`` for the matching ``recv``: MPI's
+    own send to oneself blocks until a receive is posted, which from one thread never happens.
+    A list (or a device array through host memory) is packed into a buffer of its own: a send
+    may run beside a collective, on another thread.
     """
     sends, _ = c._inputs("send", send)
     checks.check_rank("send", "peer", peer, c.size)
+    shapes = [s.shape for s in sends]
     if peer == c.rank:
-        total = sum(s.size for s in sends)
-        return lambda: c.to_self.put((sends[0].dtype, [s.shape for s in sends], c.fusion.pack(
-            sends, into=array_module(sends[0]).empty(total, sends[0].dtype))))
+        return lambda: c.fusion.to_self.put((sends[0].dtype, shapes, c.fusion.pack(
+            sends, into=c.fusion.private(sends[0], sum(s.size for s in sends)))))
     c.traffic.count("send", sends)
 
     def run() -> None:
         if c.check:
             header = np.array([DTYPES.index(sends[0].dtype), sum(s.size for s in sends),
-                               shape_code([s.shape for s in sends])], np.int64)
+                               shape_code(shapes)], np.int64)
             c._check_comm.Send(header, dest=peer)
-        # a list gets its own buffer: a send may run beside a collective on another thread
-        total = sum(s.size for s in sends)
-        c._send(flat_view(sends[0]) if len(sends) == 1 else c.fusion.pack(
-            sends, into=array_module(sends[0]).empty(total, sends[0].dtype)), peer)
+        c._send(flat_view(sends[0]) if c.fusion.direct(sends) else c.fusion.pack(
+            sends, into=c.fusion.private(sends[0], sum(s.size for s in sends))), peer)
 
     return run
 
@@ -178,7 +181,7 @@ def recv(c: Communicator, out: Any, peer: int) -> Run:
     checks.check_rank("recv", "peer", peer, c.size)
     for o in outs:
         checks.check_writable("recv", o)
-    total = sum(o.size for o in outs)
+    total, shapes, dtype = sum(o.size for o in outs), [o.shape for o in outs], outs[0].dtype
     if peer == c.rank:
         return lambda: _recv_from_self(c, outs, is_list, total)
 
@@ -186,21 +189,19 @@ def recv(c: Communicator, out: Any, peer: int) -> Run:
         if c.check:
             header = np.empty(3, np.int64)
             c._check_comm.Recv(header, source=peer)
-            sent_dtype = DTYPES[int(header[0])]
-            if (sent_dtype, int(header[1]), int(header[2])) != (
-                    outs[0].dtype, total, shape_code([o.shape for o in outs])):
-                c._recv(array_module(outs[0]).empty(int(header[1]), sent_dtype), peer)  # drain
+            sent, count = DTYPES[int(header[0])], int(header[1])
+            if (sent, count, int(header[2])) != (dtype, total, shape_code(shapes)):
+                c._recv(c.fusion.private(outs[0], count, sent), peer)  # drain it
                 raise ValueError(
-                    f"recv: rank {peer} sent {int(header[1])} elements of {sent_dtype} with "
-                    f"other shapes; this rank ({c.rank}) expected {total} elements of "
-                    f"{outs[0].dtype} shaped {[o.shape for o in outs]}; send and recv must use "
-                    "the same shapes and dtype")
-        if len(outs) == 1:
+                    f"recv: rank {peer} sent {count} elements of {sent} with other shapes; "
+                    f"this rank ({c.rank}) expected {total} elements of {dtype} shaped {shapes}; "
+                    "send and recv must use the same shapes and dtype")
+        if c.fusion.direct(outs):
             c._recv(flat_view(outs[0]), peer)
         else:
-            buf = array_module(outs[0]).empty(total, outs[0].dtype)  # not the shared one
+            buf = c.fusion.private(outs[0], total)
             c._recv(buf, peer)
-            unpack(buf, outs)
+            c.fusion.unpack(buf, outs)
         return outs if is_list else outs[0]
 
     return run
@@ -208,17 +209,17 @@ def recv(c: Communicator, out: Any, peer: int) -> Run:
 
 def _recv_from_self(c: Communicator, outs: list[Any], is_list: bool, total: int) -> Any:
     """Take the oldest message this rank sent itself (a blocking recv cannot wait for one)."""
-    if c.to_self.empty() and threading.current_thread() is threading.main_thread():
+    if c.fusion.to_self.empty() and threading.current_thread() is threading.main_thread():
         raise RuntimeError(
             f"recv: rank {c.rank} receives from itself, and no send to itself is waiting; a "
             "blocking recv from oneself would wait forever; send first (or use recv_async)")
-    dtype, shapes, data = c.to_self.get()
+    dtype, shapes, data = c.fusion.to_self.get()
     if (dtype, data.size, shapes) != (outs[0].dtype, total, [o.shape for o in outs]):
         raise ValueError(
             f"recv: rank {c.rank} sent itself {data.size} elements of {dtype} shaped {shapes}; "
             f"expected {total} elements of {outs[0].dtype} shaped {[o.shape for o in outs]}; "
             "send and recv must use the same shapes and dtype")
-    unpack(data, outs)
+    c.fusion.unpack(data, outs)
     return outs if is_list else outs[0]
 
 
@@ -242,8 +243,8 @@ class Traffic:
 
     def count(self, api: str, arrays: list[Any]) -> None:
         """Count one call of ``api`` on ``arrays`` (an allgather's inputs: n of them arrive)."""
+        nbytes = arrays[0].nbytes if len(arrays) == 1 else sum(a.nbytes for a in arrays)
         self.calls[api] = self.calls.get(api, 0) + 1
-        nbytes = sum(int(a.nbytes) for a in arrays)
         self.bytes[api] = self.bytes.get(api, 0.0) + self.factor[api] * nbytes
 
     def total(self) -> float:
@@ -257,16 +258,27 @@ class Traffic:
 
 
 class Fusion:
-    """The buffers a communicator fuses lists in, and the results it makes.
+    """The buffers a communicator fuses lists in, the results it makes, and how data gets there.
+
+    A backend whose library moves host memory only (MPI, unless CUDA-aware) ``stages`` CuPy
+    arrays: they are always packed, into pinned host buffers (the device-to-host copies are the
+    packing), and unpacked back onto the device; a single CuPy array takes the path of a list.
 
     Args:
         address: returns an array's data address (the backend's cheapest way).
+        stages: device arrays go through host buffers.
     """
 
-    def __init__(self, address: Callable[[Any], int]) -> None:
-        self.address = address
-        self._buffers: dict[tuple[str, np.dtype], Any] = {}
+    def __init__(self, address: Callable[[Any], int], stages: bool = False) -> None:
+        self.address, self.stages = address, stages
+        self.to_self: SimpleQueue = SimpleQueue()  # messages this rank sent itself
+        self._buffers: dict[tuple[str, np.dtype, bool], Any] = {}
         self._recycled: list[np.ndarray] = []  # large result buffers, see new_buffer
+        self._copied: Any = None  # an event after the last copy from a pinned buffer
+
+    def direct(self, arrays: list[Any]) -> bool:
+        """Whether one array moves as it is (a list, or a staged device array, is packed)."""
+        return len(arrays) == 1 and not (self.stages and is_cupy_array(arrays[0]))
 
     def fuse(self, sends: list[Any], outs: list[Any] | None, fresh: Any,
              pack: bool = True) -> tuple[Any, Any, list[Any] | None]:
@@ -277,37 +289,72 @@ class Fusion:
         already their memory). ``outs`` None (reduce off the root) gives out None. ``pack``
         False leaves the buffer's values unset (broadcast off the root).
         """
-        if len(sends) == 1:  # [x] is the call x: the same library calls on every rank
+        if self.direct(sends):  # [x] is the call x: the same library calls on every rank
             flat = flat_view(sends[0])
             if outs is None or outs[0] is sends[0]:
                 return flat, None if outs is None else flat, None
             return flat, flat_view(outs[0]), None
-        if fresh is not None:
+        staged = self.stages and is_cupy_array(sends[0])
+        if fresh is not None and not staged:
             if pack:
                 self.pack(sends, into=fresh)
             return fresh, fresh, None
-        if outs is sends:  # in place: a list lying back to back in one buffer is that buffer
+        if outs is sends and not staged:  # in place: a list back to back in one buffer is it
             run = checks.adjacent_run(sends, self.address)
             if run is not None:
                 return run, run, None
         buf = self.pack(sends) if pack else self.buffer(sends[0], sum(s.size for s in sends))
-        return buf, None if outs is None else buf, outs
+        if outs is None:
+            return buf, None, None
+        return buf, buf, [fresh] if fresh is not None else outs
 
     def buffer(self, like: Any, numel: int) -> Any:
         """Return the reused buffer of ``numel`` elements (fresh ones cost page faults)."""
-        xp = array_module(like)
-        key = (xp.__name__, like.dtype)
+        staged = self.stages and is_cupy_array(like)
+        xp = np if staged else array_module(like)
+        key = (xp.__name__, like.dtype, staged)
         buf = self._buffers.get(key)
         if buf is None or buf.size < numel:
-            buf = self._buffers[key] = xp.empty(numel, like.dtype)
+            buf = self._buffers[key] = (_pinned if staged else xp.empty)(numel, like.dtype)
+        if staged and self._copied is not None:
+            self._copied.synchronize()  # a copy to the device may still read the buffer
+            self._copied = None
         return buf[:numel]
+
+    def private(self, like: Any, numel: int, dtype: Any = None) -> Any:
+        """Return a new buffer for one point-to-point message (on the host when staged)."""
+        staged = self.stages and is_cupy_array(like)
+        return (np if staged else array_module(like)).empty(numel, dtype or like.dtype)
 
     def pack(self, arrays: list[Any], into: Any = None) -> Any:
         """Copy arrays one after another into ``into`` (default: the reused buffer)."""
         if into is None:
             into = self.buffer(arrays[0], sum(a.size for a in arrays))
-        array_module(arrays[0]).concatenate([flat_view(a) for a in arrays], out=into)
+        if type(into) is np.ndarray and is_cupy_array(arrays[0]):  # device to host
+            start = 0
+            for a in arrays:
+                a.get(out=into[start : start + a.size].reshape(a.shape), blocking=False)
+                start += a.size
+            array_module(arrays[0]).cuda.get_current_stream().synchronize()  # MPI reads next
+        else:
+            array_module(arrays[0]).concatenate([flat_view(a) for a in arrays], out=into)
         return into
+
+    def unpack(self, buf: Any, outs: list[Any] | None) -> None:
+        """Copy a flat buffer into contiguous arrays, one after another (nothing for None)."""
+        start = 0
+        for o in outs or ():
+            stop = start + o.size
+            self.copy(o, buf[start:stop].reshape(o.shape))
+            start = stop
+
+    def copy(self, dst: Any, src: Any) -> None:
+        """Copy ``src`` into ``dst`` (same shape), from a host buffer onto the device if staged."""
+        if type(src) is np.ndarray and is_cupy_array(dst):
+            dst.set(np.ascontiguousarray(src))  # asynchronous: buffer() waits for it
+            self._copied = array_module(dst).cuda.get_current_stream().record()
+        else:
+            dst[...] = src
 
     def new_buffer(self, like: Any, numel: int) -> Any:
         """Return a new result buffer; large host ones are recycled once nothing refers to them.
@@ -320,8 +367,7 @@ class Fusion:
         xp = array_module(like)
         if xp is not np or numel * like.itemsize < RECYCLE_MIN_BYTES:
             return xp.empty(numel, like.dtype)
-        for i in range(len(self._recycled)):
-            held = self._recycled[i]
+        for held in self._recycled:
             # references: the list, ``held`` and getrefcount's argument; any more is a user's
             if held.size == numel and held.dtype == like.dtype and sys.getrefcount(held) == 3:
                 return held[:]
@@ -335,15 +381,19 @@ class Fusion:
         return split_buffer(buffer, shapes), buffer
 
     def clear(self) -> None:
-        """Release every buffer."""
+        """Release every buffer (after any copy still reading one)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
         self._buffers.clear()
         self._recycled.clear()
 
 
-def unpack(buf: Any, outs: list[Any] | None) -> None:
-    """Copy a flat buffer into contiguous arrays, one after another (nothing for None)."""
-    start = 0
-    for o in outs or ():
-        stop = start + o.size
-        (o if o.ndim == 1 else o.reshape(-1))[...] = buf[start:stop]
-        start = stop
+def _pinned(numel: int, dtype: np.dtype) -> np.ndarray:
+    """Return page-locked host memory, so copies to and from the device run asynchronously."""
+    try:
+        import cupyx
+
+        return cupyx.empty_pinned(numel, dtype)
+    except (ImportError, AttributeError):  # older CuPy: pageable memory, synchronous copies
+        return np.empty(numel, dtype)

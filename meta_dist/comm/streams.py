@@ -1,30 +1,29 @@
 """Where a call on CuPy arrays runs among the caller's GPU work: one Ticket per call.
 
-Leaf module: imports nothing of meta_dist; cupy only through the arrays' module. CuPy's current
-stream is per host thread, and an asynchronous collective runs on the communication thread,
-whose current stream is not the caller's. So the caller's stream is captured when the call is
-made (with an event marking what the call's inputs wait for), the call's device work runs after
-that event on the backend's stream, and the caller's stream waits for the work's last event
-when the caller takes the result (``Handle.wait`` or the blocking call's return): later kernels
-on the caller's stream see the result, and earlier ones are never waited for by the host.
+Leaf module: imports nothing of meta_dist; cupy only when a call on CuPy arrays is placed.
+CuPy's current stream is per host thread, and an asynchronous collective runs on the
+communication thread, whose current stream is not the caller's. So the caller's stream is
+captured when the call is made (with an event marking what the call's inputs wait for), the
+call's device work runs after that event on the communicator's own stream, and the caller's
+stream waits for the work's last event when the caller takes the result (``Handle.wait`` or the
+blocking call's return): later kernels on the caller's stream see the result, and earlier ones
+are never waited for by the host.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
 class Ticket:
     """One call's place on the caller's stream.
 
-    Args:
-        cupy: the cupy module of the call's arrays.
-
     Attributes:
         device: the caller's current device (an int).
         stream: the caller's current stream when the call was made. It may be a handle that
             means "this thread's default stream" (CUDA's per-thread default stream), so only
-            the caller's thread may use it: the call's work runs on the backend's own stream.
+            the caller's thread may use it: the call's work runs on the communicator's stream.
         ready: an event on it: everything the caller enqueued before the call.
         done: an event after the call's device work (None: nothing ran on a device).
     """
@@ -39,3 +38,38 @@ class Ticket:
         """Make the caller's stream wait for the call's device work (in the caller's thread)."""
         if self.done is not None:
             self.stream.wait_event(self.done)
+
+
+class CommStream:
+    """A communicator's own non-blocking stream (made on first use), and calls placed on it.
+
+    Args:
+        stream: the stream to use (the NCCL backend's); None makes one when first needed.
+    """
+
+    def __init__(self, stream: Any = None) -> None:
+        self.stream = stream
+
+    def place(self, run: Callable[[], Any]) -> Callable[[], Any]:
+        """Return ``run`` to be run on this stream after the caller's work (any thread).
+
+        The caller's stream is captured now, in the caller's thread; the returned callable's
+        ``after`` makes that stream wait for the call (``CommThreads`` runs it in the thread
+        that takes the result).
+        """
+        import cupy
+
+        ticket = Ticket(cupy)
+
+        def on_stream() -> Any:
+            with cupy.cuda.Device(ticket.device):
+                if self.stream is None:
+                    self.stream = cupy.cuda.Stream(non_blocking=True)
+                self.stream.wait_event(ticket.ready)
+                with self.stream:
+                    result = run()
+                ticket.done = self.stream.record()
+            return result
+
+        on_stream.after = ticket.after  # type: ignore[attr-defined]
+        return on_stream

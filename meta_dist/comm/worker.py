@@ -1,13 +1,16 @@
-"""The communication thread behind the ``*_async`` operations, and their Handle.
+"""Where a communicator's operations run: now, or in order on its threads, watched.
 
 Imports the standard library only. Every rank must issue collectives in the same order: one
 single-thread executor per communicator runs them first in, first out (a Future carries each
 result or exception to its waiter), and a blocking call made while work is queued joins the
-queue instead of overtaking it.
+queue instead of overtaking it. Sends to each peer and receives from each peer get a thread
+of their own, as MPI_Isend/MPI_Irecv would, so two ranks may each start a send to the other
+before receiving.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -37,51 +40,20 @@ class Handle:
         return result
 
 
-class OrderedWorker:
-    """Run callables in submission order on one thread, started on first use.
-
-    Args:
-        on_start: called first on the thread (e.g. to make this rank's GPU current, which is
-            per thread in CUDA); if it raises, every submitted call fails with BrokenThreadPool.
-    """
-
-    def __init__(self, on_start: Callable[[], None] | None = None) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meta_dist-comm",
-                                            initializer=on_start)
-        self._last: Future | None = None
-
-    def submit(self, run: Callable[[], Any], after: Callable[[], None] | None = None) -> Handle:
-        """Queue ``run`` and return its Handle (``after``: see Handle)."""
-        self._last = self._executor.submit(run)
-        return Handle(self._last, after)
-
-    def idle(self) -> bool:
-        """Return True when nothing is queued or running (a blocking call may run at once)."""
-        last = self._last
-        return last is None or last.done()
-
-    def close(self) -> None:
-        """Finish the queued work and stop the thread."""
-        self._executor.shutdown(wait=True)
-
-
 class CommThreads:
-    """Where a communicator's operations run: now, or in order on its threads, watched.
-
-    Collectives share one thread, so they run in the order every rank issued them; sends to
-    each peer and receives from each peer get a thread of their own, as MPI_Isend/MPI_Irecv
-    would, so two ranks may each start a send to the other before receiving.
+    """A communicator's threads, each started on first use, and the bookkeeping of every call.
 
     Args:
         watchdog: told when each operation starts and ends (None: nobody watches).
-        on_start: run first on every thread (see ``OrderedWorker``).
+        on_start: run first on every thread (e.g. to make this rank's GPU current, which is
+            per thread in CUDA); if it raises, every call queued there fails.
     """
 
     def __init__(self, watchdog: Any, on_start: Callable[[], None]) -> None:
         self.watchdog, self._on_start = watchdog, on_start
         self.trace: Any = None  # a meta_dist.trace.Trace that records every operation
-        self._collectives = OrderedWorker(on_start)
-        self._p2p: dict[tuple[str, int], OrderedWorker] = {}  # (send|recv, peer) -> thread
+        # None (the collectives) or (send|recv, peer) -> (executor, its last Future)
+        self._queues: dict[Any, tuple[ThreadPoolExecutor, Future | None]] = {}
 
     def run(self, call: Callable[[], Any], api: str, peer: int | None = None,
             arrays: Any = None) -> Any:
@@ -90,21 +62,11 @@ class CommThreads:
         ``arrays`` are what the watchdog's report names. A ``call.after`` (see Handle) runs in
         this thread once the call has finished.
         """
+        queued = self._queues.get(None if peer is None else (api, peer))
+        if queued is not None and queued[1] is not None and not queued[1].done():
+            return self.start(call, api, peer, arrays).wait()
+        result = self._watched(call, api, peer, arrays)
         after = getattr(call, "after", None)
-        worker = self._collectives if peer is None else self._p2p.get((api, peer))
-        if worker is not None and not worker.idle():
-            return worker.submit(self._watched(call, api, peer, arrays), after).wait()
-        watchdog, trace = self.watchdog, self.trace
-        start = trace.begin() if trace is not None else 0.0
-        if watchdog is not None:  # as _watched does, without a closure: every blocking call
-            watchdog.enter(_named(api, peer), arrays, peer is None)
-        try:
-            result = call()
-        finally:
-            if watchdog is not None:
-                watchdog.leave()
-            if trace is not None:
-                trace.end(_named(api, peer), "comm", start, bytes=_nbytes(arrays))
         if after is not None:
             after()
         return result
@@ -112,44 +74,36 @@ class CommThreads:
     def start(self, call: Callable[[], Any], api: str, peer: int | None = None,
               arrays: Any = None) -> Handle:
         """Queue ``call`` on the collectives' thread (or the peer's) and return its Handle."""
-        after = getattr(call, "after", None)
-        if peer is None:
-            return self._collectives.submit(self._watched(call, api, peer, arrays), after)
-        key = (api, peer)
-        if key not in self._p2p:
-            self._p2p[key] = OrderedWorker(self._on_start)
-        return self._p2p[key].submit(self._watched(call, api, peer, arrays), after)
+        key = None if peer is None else (api, peer)
+        executor = self._queues[key][0] if key in self._queues else ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="meta_dist-comm", initializer=self._on_start)
+        future = executor.submit(functools.partial(self._watched, call, api, peer, arrays))
+        self._queues[key] = (executor, future)
+        return Handle(future, getattr(call, "after", None))
 
     def close(self) -> None:
         """Finish the queued work and stop the threads."""
-        self._collectives.close()
-        for worker in self._p2p.values():
-            worker.close()
+        for executor, _ in self._queues.values():
+            executor.shutdown(wait=True)
+        self._queues.clear()
 
     def _watched(self, call: Callable[[], Any], api: str, peer: int | None,
-                 arrays: Any) -> Callable[[], Any]:
+                 arrays: Any) -> Any:
+        """Run ``call`` with the watchdog told and the trace recording (when there are any)."""
         watchdog, trace = self.watchdog, self.trace
         if watchdog is None and trace is None:
-            return call
-
-        def watched() -> Any:
-            start = trace.begin() if trace is not None else 0.0
+            return call()
+        name = api if peer is None else f"{api} {'to' if api == 'send' else 'from'} rank {peer}"
+        start = trace.begin() if trace is not None else 0.0
+        if watchdog is not None:
+            watchdog.enter(name, arrays, peer is None)
+        try:
+            return call()
+        finally:
             if watchdog is not None:
-                watchdog.enter(_named(api, peer), arrays, peer is None)
-            try:
-                return call()
-            finally:
-                if watchdog is not None:
-                    watchdog.leave()
-                if trace is not None:
-                    trace.end(_named(api, peer), "comm", start, bytes=_nbytes(arrays))
-
-        return watched
-
-
-def _named(api: str, peer: int | None) -> str:
-    """Name an operation for the watchdog: a point-to-point one with its peer."""
-    return api if peer is None else f"{api} {'to' if api == 'send' else 'from'} rank {peer}"
+                watchdog.leave()
+            if trace is not None:
+                trace.end(name, "comm", start, bytes=_nbytes(arrays))
 
 
 def _nbytes(arrays: Any) -> int:
@@ -159,4 +113,3 @@ def _nbytes(arrays: Any) -> int:
     if isinstance(arrays, (list, tuple)):
         return sum(int(getattr(a, "nbytes", 0)) for a in arrays)
     return int(getattr(arrays, "nbytes", 0))
-

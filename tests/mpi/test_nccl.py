@@ -15,10 +15,10 @@ from test_collectives import DTYPES, LENGTHS, OPS, assert_matches, rank_input, r
 
 from meta_dist import make_communicator
 from meta_dist.errors import UsageError
-from meta_dist.comm import nccl_backend
-from meta_dist.comm.nccl_backend import (
+from meta_dist import gpus
+from meta_dist.comm.nccl_backend import broadcast_unique_id
+from meta_dist.gpus import (
     MULTI_RANK_GPU_VERSION,
-    broadcast_unique_id,
     decode_nccl_version,
     nccl_unavailable_reason,
     nccl_version,
@@ -106,7 +106,7 @@ def test_make_communicator_fails_on_every_rank_without_nccl(connector):
 def test_one_rank_without_nccl_fails_every_rank(connector, monkeypatch):
     last = connector.size - 1
     if connector.rank == last:
-        monkeypatch.setattr(nccl_backend, "nccl_unavailable_reason",
+        monkeypatch.setattr(gpus, "nccl_unavailable_reason",
                             lambda: "simulated: no GPU on this rank")
     with pytest.raises(UsageError, match=f"rank {last}: simulated: no GPU on this rank"):
         make_communicator("nccl", connector)

@@ -1,158 +1,174 @@
-"""Host staging of meta_dist.comm.staging, on numpy arrays through real MPI.
+"""CuPy arrays through the MPI backend: packed into pinned host buffers, moved, unpacked.
 
-``HostStaging(force=True)`` stages numpy arrays exactly as it stages CuPy arrays (separate host
-buffers, aliasing by identity), so the logic runs here without a GPU; ``cuda_aware=True`` hands
-the arrays to the primitive as they are (what a CUDA-aware MPI gets). Either way the results
-must be bit-identical to the unstaged MPI backend: the same numpy primitive runs on copies.
+The MPI wheels are not CUDA-aware, so every device array takes the path of a fused list
+(``plans.Fusion`` with ``stages``): device-to-host copies fill a host buffer, the numpy
+primitive runs on it, and host-to-device copies bring the result back. On the CuPy/NCCL
+stand-in (tests/standin_tests/test_standin_gpu_side.py runs this file at 1-4 ranks) a device
+array handed to MPI fails, an unfinished copy is read as garbage and a buffer rewritten under a
+pending copy is a race: results equal to the numpy backend's, bit for bit, show none happened.
+The CUDA-aware opt-in (META_DIST_CUDA_AWARE_MPI) is tested on any machine.
 """
 
 import numpy as np
 import pytest
 from conftest import same_on_every_rank
-from test_collectives import DTYPES, OPS, check_allgather, rank_input
+from test_collectives import DTYPES, OPS, rank_input, valid
+from test_nccl import cp, gpu  # noqa: F401 - the collective skips of the GPU tests
 
-from meta_dist.comm.mpi_backend import MpiCommunicator
-from meta_dist.comm.staging import ENV_CUDA_AWARE, HostStaging, cuda_aware_requested
+from meta_dist import make_communicator
+from meta_dist.comm.mpi_backend import ENV_CUDA_AWARE, MpiCommunicator, cuda_aware_requested
 
-LENGTHS = [1, 7, 70001]  # 70001 float32/float64 elements take the pairwise path when staged
-MODES = ["staged", "direct"]
-# every dtype with sum (uint8 sums wrap: numpy reduces them), every op on one
+LENGTHS = [1, 7, 70001]  # 70001 float32/float64 elements take the pairwise reduce_scatter
 DTYPE_OPS = [(d, "sum") for d in DTYPES] + [("float32", op) for op in OPS if op != "sum"]
 
 
-def staged_communicator(connector, **staging):
-    """Return an MPI communicator whose primitives go through HostStaging(**staging)."""
-    comm = MpiCommunicator(connector)
-    comm.staging = HostStaging(**staging)
-    return comm
-
-
-@pytest.fixture(params=MODES)
-def scomm(request, connector):
-    comm = staged_communicator(connector, force=True, cuda_aware=request.param == "direct")
+@pytest.fixture
+def scomm(connector, gpu):  # noqa: F811
+    comm = make_communicator("mpi", connector)
+    if comm.cuda_aware:
+        comm.close()
+        pytest.skip(f"{ENV_CUDA_AWARE} is set: device arrays go to MPI as they are")
     yield comm
     comm.close()
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype,op", DTYPE_OPS)
-def test_allreduce(scomm, comm, connector, dtype, op):
+def test_allreduce(scomm, comm, gpu, dtype, op):  # noqa: F811
     for n in LENGTHS:
         inputs = [rank_input(n, r, (n,), dtype, op) for r in range(comm.size)]
-        mine = inputs[comm.rank].copy()
-        unstaged = comm.allreduce(mine, op)
-        np.testing.assert_array_equal(scomm.allreduce(mine, op), unstaged)
-        np.testing.assert_array_equal(mine, inputs[comm.rank])  # out of place: input untouched
+        want = comm.allreduce(inputs[comm.rank], op)
+        mine = gpu.asarray(inputs[comm.rank])
+        np.testing.assert_array_equal(scomm.allreduce(mine, op).get(), want)
+        np.testing.assert_array_equal(mine.get(), inputs[comm.rank])  # the input untouched
+        out = gpu.zeros(n, dtype)
+        assert scomm.allreduce(mine, op, out=out) is out
         assert scomm.allreduce(mine, op, out=mine) is mine
-        np.testing.assert_array_equal(mine, unstaged)
-        assert same_on_every_rank(connector, mine)
+        for got in (out, mine):
+            np.testing.assert_array_equal(got.get(), want)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype,op", [(d, "sum") for d in DTYPES] + [("float16", "avg")])
-def test_reduce_scatter(scomm, comm, dtype, op):
+def test_reduce_scatter(scomm, comm, gpu, dtype, op):  # noqa: F811
     for m in (1, 5, 40001):
         inputs = [rank_input(m, r, (m * comm.size,), dtype, op) for r in range(comm.size)]
         rows = slice(comm.rank * m, (comm.rank + 1) * m)
-        unstaged = comm.reduce_scatter(inputs[comm.rank], op)
-        got = scomm.reduce_scatter(inputs[comm.rank], op)
-        np.testing.assert_array_equal(got, unstaged)
-        buf = inputs[comm.rank].copy()
-        scomm.reduce_scatter(buf, op, out=buf[rows])  # in place: recv = send + rank*m
-        np.testing.assert_array_equal(buf[rows], got)
-        others = np.ones(buf.size, bool)
+        want = comm.reduce_scatter(inputs[comm.rank], op)
+        np.testing.assert_array_equal(scomm.reduce_scatter(gpu.asarray(inputs[comm.rank]),
+                                                           op).get(), want)
+        buf = gpu.asarray(inputs[comm.rank])
+        scomm.reduce_scatter(buf, op, out=buf[rows])  # in place: my rows of the input
+        host = buf.get()
+        np.testing.assert_array_equal(host[rows], want)
+        others = np.ones(host.size, bool)
         others[rows] = False
-        np.testing.assert_array_equal(buf[others], inputs[comm.rank][others])
+        np.testing.assert_array_equal(host[others], inputs[comm.rank][others])
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_allgather(scomm, dtype):
-    check_allgather(scomm, dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_broadcast(scomm, dtype):
-    for root in range(scomm.size):
-        for n in (1, 70001):
-            inputs = [rank_input(n + root, r, (n,), dtype) for r in range(scomm.size)]
-            np.testing.assert_array_equal(scomm.broadcast(inputs[scomm.rank], root),
-                                          inputs[root])
-            buf = inputs[scomm.rank].copy()
+def test_allgather_and_broadcast(scomm, gpu, dtype):  # noqa: F811
+    n, rank = scomm.size, scomm.rank
+    for m in (1, 20001):
+        inputs = [rank_input(m, r, (m, 2), dtype) for r in range(n)]
+        want = np.concatenate(inputs)
+        np.testing.assert_array_equal(scomm.allgather(gpu.asarray(inputs[rank])).get(), want)
+        out = gpu.zeros((m * n, 2), dtype)
+        out[rank * m:(rank + 1) * m] = gpu.asarray(inputs[rank])
+        scomm.allgather(out[rank * m:(rank + 1) * m], out=out)  # in place
+        np.testing.assert_array_equal(out.get(), want)
+        for root in range(n):
+            buf = gpu.asarray(inputs[rank])
+            np.testing.assert_array_equal(scomm.broadcast(buf, root).get(), inputs[root])
             assert scomm.broadcast(buf, root, out=buf) is buf
-            np.testing.assert_array_equal(buf, inputs[root])
+            np.testing.assert_array_equal(buf.get(), inputs[root])
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype,op", DTYPE_OPS)
-def test_reduce(scomm, comm, dtype, op):
+def test_reduce(scomm, comm, gpu, dtype, op):  # noqa: F811
+    if not valid(op, dtype):
+        pytest.skip("avg needs a floating dtype")
     for root in range(comm.size):
         inputs = [rank_input(root, r, (1001,), dtype, op) for r in range(comm.size)]
-        unstaged = comm.reduce(inputs[comm.rank], root, op)
-        got = scomm.reduce(inputs[comm.rank], root, op)
-        buf = inputs[comm.rank].copy()
+        want = comm.reduce(inputs[comm.rank], root, op)
+        buf = gpu.asarray(inputs[comm.rank])
+        got = scomm.reduce(buf, root, op)
         in_place = scomm.reduce(buf, root, op, out=buf)
         if comm.rank != root:
             assert got is None and in_place is None
             continue
-        np.testing.assert_array_equal(got, unstaged)
         assert in_place is buf
-        np.testing.assert_array_equal(buf, unstaged)
+        np.testing.assert_array_equal(got.get(), want)
+        np.testing.assert_array_equal(buf.get(), want)
 
 
-def test_fused_lists(scomm):
-    arrays = [rank_input(i, scomm.rank, (scomm.size * (i + 1),), "float64") for i in range(3)]
-    total = [sum(rank_input(i, r, a.shape, "float64") for r in range(scomm.size))
-             for i, a in enumerate(arrays)]
-    for got, want in zip(scomm.allreduce(arrays), total, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-12)
-    gathered = scomm.allgather(arrays)
-    for i, g in enumerate(gathered):
-        want = np.concatenate([rank_input(i, r, arrays[i].shape, "float64")
-                               for r in range(scomm.size)])
-        np.testing.assert_array_equal(g, want)
+@pytest.mark.gpu
+@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "allgather",
+                                        "broadcast", "reduce"])
+def test_fused_lists_equal_the_host_result(scomm, comm, gpu, collective):  # noqa: F811
+    shapes = [(comm.size * 3,), (comm.size, 5), (comm.size * 2, 2, 2), (comm.size,)]
+    arrays = [rank_input(i, comm.rank, s, "float64") for i, s in enumerate(shapes)]
+    run = {"allreduce": lambda c, a: c.allreduce(a),
+           "reduce_scatter": lambda c, a: c.reduce_scatter(a),
+           "allgather": lambda c, a: c.allgather(a),
+           "broadcast": lambda c, a: c.broadcast(a, root=comm.size - 1),
+           "reduce": lambda c, a: c.reduce(a, root=0)}[collective]
+    want = run(comm, arrays)
+    got = run(scomm, [gpu.asarray(a) for a in arrays])
+    if want is None:
+        assert got is None
+        return
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g.get(), w)
+    in_place = [gpu.asarray(a) for a in arrays]
+    if collective == "allreduce":
+        assert scomm.allreduce(in_place, out=in_place)[0] is in_place[0]
+        for g, w in zip(in_place, want, strict=True):
+            np.testing.assert_array_equal(g.get(), w)
+            assert same_on_every_rank(comm.connector, g.get())
 
 
+@pytest.mark.gpu
+def test_calls_back_to_back_never_overwrite_a_pending_copy(scomm, gpu):  # noqa: F811
+    """Off the root a broadcast's host buffer is written by MPI, not packed: it must wait for
+    the previous call's copy back to the device, which the stand-in runs late."""
+    n = scomm.size
+    for root in range(n):
+        inputs = [rank_input(k + 10 * root, root, (3001,), "float32") for k in range(4)]
+        results = [scomm.broadcast(gpu.asarray(x) if scomm.rank == root else gpu.zeros(3001,
+                                   "float32"), root) for x in inputs]
+        for got, want in zip(results, inputs, strict=True):
+            np.testing.assert_array_equal(got.get(), want)
+
+
+@pytest.mark.gpu
+def test_async_collectives_and_a_blocking_one_behind_them(scomm, gpu):  # noqa: F811
+    n = scomm.size
+    a = gpu.full(100, float(scomm.rank))
+    handles = [scomm.allreduce_async(a), scomm.reduce_scatter_async(gpu.ones(4 * n))]
+    np.testing.assert_array_equal(scomm.allgather(gpu.ones(2)).get(), np.ones(2 * n))
+    np.testing.assert_array_equal(handles[0].wait().get(), np.full(100, n * (n - 1) / 2))
+    np.testing.assert_array_equal(handles[1].wait().get(), np.full(4, float(n)))
+
+
+@pytest.mark.gpu
 @pytest.mark.mpi(min_size=2)
-def test_send_recv(scomm):
-    x = rank_input(5, 0, (2048,), "float16")
-    got = np.empty_like(x)
+def test_send_recv(scomm, gpu):  # noqa: F811
+    x = gpu.asarray(rank_input(5, 0, (2048,), "float16"))
+    parts = [gpu.arange(3.0), gpu.ones((2, 2))]
     if scomm.rank == 0:
         scomm.send(x, peer=1)
-        scomm.recv(got, peer=1)
-        np.testing.assert_array_equal(got, x)
+        got = scomm.recv(gpu.empty_like(x), peer=1)
+        np.testing.assert_array_equal(got.get(), x.get())
+        scomm.send(parts, peer=1)
     elif scomm.rank == 1:
-        scomm.recv(got, peer=0)
+        got = scomm.recv(gpu.empty_like(x), peer=0)
         scomm.send(got, peer=0)
-
-
-def test_aliasing_follows_identity_and_buffers_are_reused():
-    staging = HostStaging(force=True)
-    seen = []
-
-    def fn(send, recv, op):
-        seen.append((send is recv, send.ctypes.data, recv.ctypes.data))
-        recv[...] = send[: recv.size] * 2
-
-    a = np.arange(6.0)
-    staging.run(fn, (a, a, "sum"), reads=(0,), writes=(1,))  # recv is send: one buffer
-    np.testing.assert_array_equal(a, np.arange(6.0) * 2)
-    assert seen[-1][0] and seen[-1][1] != a.ctypes.data  # a host copy, shared by both roles
-
-    flat = np.arange(8.0)
-    part = flat[2:4]  # overlaps send by pointer only: separate buffers, out-of-place result
-    staging.run(fn, (flat, part, "sum"), reads=(0,), writes=(1,))
-    assert not seen[-1][0] and seen[-1][1] != seen[-1][2]
-    np.testing.assert_array_equal(flat, [0, 1, 0, 2, 4, 5, 6, 7])
-
-    first = seen[-1][1:]
-    staging.run(fn, (np.ones(8), np.empty(2), "sum"), reads=(0,), writes=(1,))
-    assert seen[-1][1:] == first  # the same host memory, no new allocation
-    staging.run(fn, (np.ones(100), np.empty(100), "sum"), reads=(0,), writes=(1,))
-    assert seen[-1][1] != first[0]  # grown for a larger call
-    staging.clear()
-
-
-def test_nothing_wanted_without_force_or_device_arrays():
-    staging = HostStaging()
-    assert not staging.wanted((np.ones(3), np.ones(3), "sum"))
-    assert HostStaging(force=True).wanted((np.ones(3), None, "sum", 0))
+        a, b = scomm.recv([gpu.empty(3), gpu.empty((2, 2))], peer=0)
+        np.testing.assert_array_equal(a.get(), np.arange(3.0))
+        np.testing.assert_array_equal(b.get(), np.ones((2, 2)))
 
 
 def test_cuda_aware_is_an_explicit_opt_in(monkeypatch, connector):
@@ -161,14 +177,14 @@ def test_cuda_aware_is_an_explicit_opt_in(monkeypatch, connector):
     monkeypatch.delenv(ENV_CUDA_AWARE, raising=False)
     assert cuda_aware_requested() is False
     comm = MpiCommunicator(connector)
-    assert comm.staging.cuda_aware is False
+    assert comm.cuda_aware is False and comm.fusion.stages is True
     comm.close()
     for value, expected in (("1", True), ("yes", True), ("0", False), ("off", False)):
         monkeypatch.setenv(ENV_CUDA_AWARE, value)
         assert cuda_aware_requested() is expected
     monkeypatch.setenv(ENV_CUDA_AWARE, "1")
     comm = MpiCommunicator(connector)
-    assert comm.staging.cuda_aware is True
+    assert comm.cuda_aware is True and comm.fusion.stages is False
     comm.close()
 
 

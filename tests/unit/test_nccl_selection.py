@@ -9,16 +9,8 @@ import numpy as np
 import pytest
 
 from meta_dist.comm.checks import DTYPES, REDUCE_OPS
-from meta_dist.comm.nccl_backend import (
-    INSTALL_HINT,
-    NCCL_H,
-    NCCL_DTYPE_NAMES,
-    NCCL_OP_NAMES,
-    NcclCommunicator,
-    decode_nccl_version,
-    nccl_unavailable_reason,
-    ranks_problem,
-)
+from meta_dist.comm.nccl_backend import NCCL_DTYPE_NAMES, NCCL_H, NCCL_OP_NAMES, NcclCommunicator
+from meta_dist.gpus import INSTALL_HINT, decode_nccl_version, nccl_unavailable_reason, ranks_problem
 from meta_dist.xp import cupy_or_none, gpu_count
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,9 +29,10 @@ def test_module_imports_and_answers_without_cupy():
     code = (
         "import sys\n"
         "sys.modules['cupy'] = sys.modules['cupyx'] = None\n"  # import cupy now raises
-        "from meta_dist.comm import nccl_backend, staging\n"
-        "print(nccl_backend.nccl_unavailable_reason())\n"
-        "print(nccl_backend.nccl_version())\n"
+        "from meta_dist import gpus\n"
+        "from meta_dist.comm import mpi_backend, nccl_backend\n"
+        "print(gpus.nccl_unavailable_reason())\n"
+        "print(gpus.nccl_version())\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, check=False)
