@@ -105,9 +105,12 @@ def contiguous_arrays(shapes: list[tuple[int, ...]], dtype: object,
 def split_buffer(buffer: object, shapes: list[tuple[int, ...]]) -> list:
     """Return views of a 1-D ``buffer`` shaped ``shapes``, back to back from its start."""
     arrays, start = [], 0
-    for shape in shapes:
-        numel = math.prod(shape)
-        view = buffer[start : start + numel]
-        arrays.append(view if len(shape) == 1 else view.reshape(shape))
-        start += numel
+    for shape in shapes:  # per array as little as it can be: a fused list may hold thousands
+        if len(shape) == 1:
+            stop = start + shape[0]
+            arrays.append(buffer[start:stop])
+        else:
+            stop = start + math.prod(shape)
+            arrays.append(buffer[start:stop].reshape(shape))
+        start = stop
     return arrays

@@ -10,6 +10,8 @@ A backend implements only the primitives.
 
 from __future__ import annotations
 
+import math
+import operator
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -27,6 +29,7 @@ from meta_dist.connector import MPIConnector
 from meta_dist.watchdog import DEFAULT_STALL_TIMEOUT_S, StallWatchdog, resolve_stall_timeout
 from meta_dist.xp import data_ptr, is_cupy_array
 
+_SIZE = operator.attrgetter("size")
 THREAD_LEVELS = {"THREAD_SINGLE": "single", "THREAD_FUNNELED": "funneled",
                  "THREAD_SERIALIZED": "serialized", "THREAD_MULTIPLE": "multiple"}
 
@@ -328,16 +331,19 @@ class Communicator(ABC):
         Returns the outputs, and the one flat buffer they are views of when made here (else
         None).
         """
-        if shapes is None:
-            if out is sends[0] or (is_list and isinstance(out, (list, tuple))
-                                   and checks.same_arrays(list(out), sends)):
-                for o in sends:  # in place: the inputs, checked already, must take the result
+        if shapes is None and (out is sends[0] or (is_list and isinstance(out, (list, tuple))
+                                                   and checks.same_arrays(list(out), sends))):
+            # in place: the inputs (contiguous, or they would be copies) take the result
+            if not all(o.flags.writeable for o in sends):
+                for o in sends:
                     checks.check_writable(api, o)
-                return sends, None
-            shapes = [s.shape for s in sends]
+            return sends, None
         if out is None:  # one new buffer, the outputs its views: a fused result needs no copy
-            return self.fusion.outputs(sends[0], shapes)
-        outs = checks.outputs(api, out, shapes, sends, is_list)
+            if shapes is None:
+                return self.fusion.outputs(sends[0], [s.shape for s in sends],
+                                           sum(map(_SIZE, sends)))
+            return self.fusion.outputs(sends[0], shapes, sum(map(math.prod, shapes)))
+        outs = checks.outputs(api, out, shapes or [s.shape for s in sends], sends, is_list)
         self._check_arrays(api, outs)
         if len(sends) == 1:
             checks.check_alias(api, sends[0], outs[0], self.rank, self._address)

@@ -44,11 +44,12 @@ def inputs(api: str, arrays: Any) -> tuple[list[Any], bool]:
         raise ValueError(f"{api}: got an empty list; expected at least one array")
     first = items[0]
     kind, dtype = type(first), getattr(first, "dtype", None)
+    if hasattr(first, "flags") and dtype in _DTYPE_SET and all(  # one pass: lists can be long
+            type(a) is kind and a.dtype is dtype and a.flags.c_contiguous for a in items):
+        return items, is_list
     if not (hasattr(first, "shape") and hasattr(first, "flags") and dtype in _DTYPE_SET
             and all(type(a) is kind and a.dtype == dtype for a in items)):
         _diagnose(api, items, is_list)
-    if all(a.flags.c_contiguous for a in items):
-        return items, is_list
     xp = array_module(first)
     return [a if a.flags.c_contiguous else xp.ascontiguousarray(a) for a in items], is_list
 

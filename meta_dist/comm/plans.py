@@ -11,7 +11,7 @@ whose lists are laid out differently still make the same calls.
 
 from __future__ import annotations
 
-import math
+import operator
 import sys
 import threading
 from collections.abc import Callable
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from meta_dist.comm.base import Communicator
 
 Run = Callable[[], Any]
+_NBYTES = operator.attrgetter("nbytes")
 RECYCLE_MIN_BYTES, RECYCLED_BUFFERS = 2**20, 2  # results recycled from this size; how many
 
 
@@ -243,7 +244,7 @@ class Traffic:
 
     def count(self, api: str, arrays: list[Any]) -> None:
         """Count one call of ``api`` on ``arrays`` (an allgather's inputs: n of them arrive)."""
-        nbytes = arrays[0].nbytes if len(arrays) == 1 else sum(a.nbytes for a in arrays)
+        nbytes = arrays[0].nbytes if len(arrays) == 1 else sum(map(_NBYTES, arrays))
         self.calls[api] = self.calls.get(api, 0) + 1
         self.bytes[api] = self.bytes.get(api, 0.0) + self.factor[api] * nbytes
 
@@ -337,15 +338,19 @@ class Fusion:
                 start += a.size
             array_module(arrays[0]).cuda.get_current_stream().synchronize()  # MPI reads next
         else:
-            array_module(arrays[0]).concatenate([flat_view(a) for a in arrays], out=into)
+            array_module(arrays[0]).concatenate(arrays, axis=None, out=into)
         return into
 
     def unpack(self, buf: Any, outs: list[Any] | None) -> None:
         """Copy a flat buffer into contiguous arrays, one after another (nothing for None)."""
+        if outs and type(buf) is not type(outs[0]):  # onto the device, from a staging buffer
+            for o, part in zip(outs, split_buffer(buf, [o.shape for o in outs]), strict=True):
+                self.copy(o, part)
+            return
         start = 0
-        for o in outs or ():
+        for o in outs or ():  # per array as little as it can be: a list may hold thousands
             stop = start + o.size
-            self.copy(o, buf[start:stop].reshape(o.shape))
+            (o if o.ndim == 1 else o.reshape(-1))[...] = buf[start:stop]
             start = stop
 
     def copy(self, dst: Any, src: Any) -> None:
@@ -375,9 +380,10 @@ class Fusion:
         self._recycled = [*self._recycled[1 - RECYCLED_BUFFERS :], held]
         return held[:]
 
-    def outputs(self, like: Any, shapes: list[tuple[int, ...]]) -> tuple[list[Any], Any]:
-        """Return new outputs of ``shapes`` as views of one new buffer, and the buffer."""
-        buffer = self.new_buffer(like, sum(math.prod(shape) for shape in shapes))
+    def outputs(self, like: Any, shapes: list[tuple[int, ...]],
+                numel: int) -> tuple[list[Any], Any]:
+        """Return new outputs of ``shapes`` (``numel`` elements) as views of one buffer, and it."""
+        buffer = self.new_buffer(like, numel)
         return split_buffer(buffer, shapes), buffer
 
     def clear(self) -> None:
