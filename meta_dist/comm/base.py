@@ -10,8 +10,6 @@ A backend implements only the primitives.
 
 from __future__ import annotations
 
-import math
-import operator
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -20,18 +18,15 @@ from typing import Any
 import numpy as np
 from meta_dist.lazy_mpi import MPI
 
-from meta_dist.comm import checks, plans
+from meta_dist.comm import plans
 from meta_dist.comm.checks import DTYPES
-from meta_dist.comm.consistency import ConsistencyCheck
+from meta_dist.comm.consistency import ConsistencyCheck, advised
+from meta_dist.comm.fusion import Fusion
 from meta_dist.comm.streams import CommStream
 from meta_dist.comm.worker import CommThreads, Handle
 from meta_dist.connector import MPIConnector
-from meta_dist.watchdog import DEFAULT_STALL_TIMEOUT_S, StallWatchdog, resolve_stall_timeout
+from meta_dist.watchdog import DEFAULT_STALL_TIMEOUT_S, resolve_stall_timeout
 from meta_dist.xp import data_ptr, is_cupy_array
-
-_SIZE = operator.attrgetter("size")
-THREAD_LEVELS = {"THREAD_SINGLE": "single", "THREAD_FUNNELED": "funneled",
-                 "THREAD_SERIALIZED": "serialized", "THREAD_MULTIPLE": "multiple"}
 
 
 class Communicator(ABC):
@@ -74,14 +69,14 @@ class Communicator(ABC):
                 "0", "false", "no", "")
         self.check = check
         self.stall_timeout = stall_timeout = resolve_stall_timeout(stall_timeout)
-        self._thread_level = MPI.Query_thread()  # async calls need THREAD_MULTIPLE
-        self._agree({"check": check, "thread_level": self._thread_level,
+        thread_level = MPI.Query_thread()  # async calls need THREAD_MULTIPLE
+        self._agree({"check": check, "thread_level": thread_level,
                      "watchdog": stall_timeout is not None, **self._call_settings()})
         self._check_comm = connector.comm.Dup()
         self._consistency = ConsistencyCheck(self._check_comm, every_call=check)
-        self._threads = CommThreads(self._new_watchdog(stall_timeout), self._worker_started)
+        self._threads = CommThreads(connector, thread_level, stall_timeout, self._worker_started)
         self.stream = CommStream()  # where calls on CuPy arrays run (see comm.streams)
-        self.fusion = plans.Fusion(self._address, self.stages_device_arrays)
+        self.fusion = Fusion(self._address, self.stages_device_arrays)
         self.traffic = plans.Traffic(self.size)  # bytes each operation moved; see plans.Traffic
         self.closed = False
 
@@ -193,8 +188,7 @@ class Communicator(ABC):
         """Send an array (or a fused list) to rank ``peer``, which must ``recv`` it.
 
         Point to point: only this rank and ``peer`` take part. With the check on, a small header
-        (dtype, sizes, shapes) goes first so that a mismatched ``recv`` fails clearly. A send
-        to this rank itself waits, copied, for this rank's matching ``recv``.
+        (dtype, sizes, shapes) goes first so that a mismatched ``recv`` fails clearly.
         """
         self._threads.run(self._p2p(plans.send, send, peer), "send", peer, send)
 
@@ -246,15 +240,7 @@ class Communicator(ABC):
         Raises:
             RuntimeError: a limit for a communicator made without a watchdog.
         """
-        seconds, watchdog = resolve_stall_timeout(seconds), self._threads.watchdog
-        if watchdog is None and seconds:
-            raise RuntimeError(
-                f"stall_timeout {seconds:g}: this communicator was made without a stall "
-                "watchdog (stall_timeout None or META_DIST_STALL_TIMEOUT=0); make it with a "
-                "timeout")
-        if watchdog is not None:
-            watchdog.set_timeout(seconds)
-            self.stall_timeout = seconds
+        self.stall_timeout = self._threads.set_stall_timeout(seconds)
 
     def close(self) -> None:
         """Finish pending asynchronous work and release buffers; later calls raise RuntimeError."""
@@ -266,8 +252,7 @@ class Communicator(ABC):
         try:
             self._close_backend()  # still watched: it may wait for device work
         finally:  # whatever the backend did, this communicator is done
-            if self._threads.watchdog is not None:
-                self._threads.watchdog.stop()  # frees its side channel
+            self._threads.stop_watching()  # frees the watchdog's side channel
             self._consistency.close()
             self._check_comm.Free()
             self.closed = True
@@ -280,7 +265,7 @@ class Communicator(ABC):
 
     def _start(self, api: str, make: Callable[..., plans.Run], *args: Any) -> Handle:
         """Plan a collective and queue it on the communication thread; return its Handle."""
-        self._check_threads(api)
+        self._threads.check_async(api)
         return self._threads.start(self._plan(api, make, *args), api, arrays=args[0])
 
     def _plan(self, api: str, make: Callable[..., plans.Run], *args: Any) -> plans.Run:
@@ -297,7 +282,7 @@ class Communicator(ABC):
                 reason = f"{type(error).__name__}: {error}"
                 self._threads.run(lambda: self._consistency.refuse(api, reason), api)
             raise
-        return self._on_device(run if self.check else _advised(run, api), args[0])
+        return self._on_device(run if self.check else advised(run, api), args[0])
 
     def _p2p(self, make: Callable[..., plans.Run], arrays: Any, peer: int) -> plans.Run:
         """Plan a send or receive. Only two ranks take part: a refusal is this rank's alone."""
@@ -305,7 +290,7 @@ class Communicator(ABC):
 
     def _start_p2p(self, api: str, make: Callable[..., plans.Run], arrays: Any,
                    peer: int) -> Handle:
-        self._check_threads(api)
+        self._threads.check_async(api)
         run = self._p2p(make, arrays, peer)
         problem = self._async_p2p_problem()
         if problem is not None:
@@ -314,40 +299,6 @@ class Communicator(ABC):
         return self._threads.start(run, api, peer, arrays)
 
     # ---------------------------------------------------------------- steps of every plan
-
-    def _inputs(self, api: str, arrays: Any) -> tuple[list[Any], bool]:
-        """Check the arrays a call reads (``checks.inputs``, then the backend's own check)."""
-        if self.closed:
-            raise RuntimeError(f"{api} called after close(); create a new communicator "
-                               "(meta_dist.init() or meta_dist.make_communicator) first")
-        sends, is_list = checks.inputs(api, arrays)
-        self._check_arrays(api, sends)
-        return sends, is_list
-
-    def _outputs(self, api: str, out: Any, sends: list[Any],
-                 shapes: list[tuple[int, ...]] | None, is_list: bool) -> tuple[list[Any], Any]:
-        """Check or make the outputs (``shapes`` None: the inputs').
-
-        Returns the outputs, and the one flat buffer they are views of when made here (else
-        None).
-        """
-        if shapes is None and (out is sends[0] or (is_list and isinstance(out, (list, tuple))
-                                                   and checks.same_arrays(list(out), sends))):
-            # in place: the inputs (contiguous, or they would be copies) take the result
-            if not all(o.flags.writeable for o in sends):
-                for o in sends:
-                    checks.check_writable(api, o)
-            return sends, None
-        if out is None:  # one new buffer, the outputs its views: a fused result needs no copy
-            if shapes is None:
-                return self.fusion.outputs(sends[0], [s.shape for s in sends],
-                                           sum(map(_SIZE, sends)))
-            return self.fusion.outputs(sends[0], shapes, sum(map(math.prod, shapes)))
-        outs = checks.outputs(api, out, shapes or [s.shape for s in sends], sends, is_list)
-        self._check_arrays(api, outs)
-        if len(sends) == 1:
-            checks.check_alias(api, sends[0], outs[0], self.rank, self._address)
-        return outs, None
 
     def _on_device(self, run: plans.Run, arrays: Any) -> plans.Run:
         """Place a call on CuPy arrays on this communicator's stream (``comm.streams``)."""
@@ -376,33 +327,9 @@ class Communicator(ABC):
 
     # ------------------------------------------------------------ threads and settings
 
-    def _check_threads(self, api: str) -> None:
-        """Refuse work on a communication thread unless MPI allows calls from any thread."""
-        if self._thread_level < MPI.THREAD_MULTIPLE:
-            level = next((word for name, word in THREAD_LEVELS.items()
-                          if getattr(MPI, name) == self._thread_level), self._thread_level)
-            raise RuntimeError(
-                f"{api}_async: MPI was initialised with thread level {level!r}, and the async "
-                "collectives (and the trainer's overlap_comm) call MPI from a communication "
-                "thread, which needs 'multiple'; leave mpi4py.rc.thread_level at its default "
-                "('multiple') before MPI starts, or call the blocking collective (overlap_comm: "
-                "false in meta_dist_config)")
-
     def _async_p2p_problem(self) -> str | None:
         """Return why this backend cannot run point-to-point asynchronously, or None."""
         return None
-
-    def _new_watchdog(self, timeout: float | None) -> StallWatchdog | None:
-        """Return the watchdog (None without a timeout) and its side channel. Collective.
-
-        The side channel (``meta_dist.watchdog``) needs MPI calls from the watchdog thread:
-        thread level "multiple", which every rank shares (``_agree``).
-        """
-        if timeout is None:
-            return None
-        side = (self.connector.comm.Dup()
-                if self.size > 1 and self._thread_level >= MPI.THREAD_MULTIPLE else None)
-        return StallWatchdog(self.rank, self.size, timeout, side)
 
     def _worker_started(self) -> None:  # noqa: B027 (optional hook)
         """Called first on each communication thread; backends set per-thread state here."""
@@ -465,19 +392,3 @@ class Communicator(ABC):
 
     def _close_backend(self) -> None:  # noqa: B027 (optional hook)
         """Release backend resources (called once by close())."""
-
-
-def _advised(run: plans.Run, api: str) -> plans.Run:
-    """Wrap ``run`` so that an MPI failure says what the per-call check would have shown."""
-
-    def advised() -> Any:
-        try:
-            return run()
-        except MPI.Exception as error:
-            raise RuntimeError(
-                f"{api}: the MPI library failed: {error.Get_error_string().strip()}; with "
-                "META_DIST_CHECK=0 the ranks' calls are not compared before they run, and ranks "
-                "that pass arrays of different sizes or dtypes fail like this: run with "
-                "META_DIST_CHECK=1 to see which ranks differ") from error
-
-    return advised

@@ -4,14 +4,15 @@ Imports numpy, mpi4py and meta_dist.xp. The ranks compare a fingerprint of (oper
 root, dtype, shapes, array kind) with one small allreduce (max of x and of -x gives max and min
 at once); on a difference every rank raises the same ValueError listing each rank's arrays. A
 rank that refused its own arguments sends a pair no call has, so its peers fail the same call
-at once instead of waiting for it. (A rank that never arrives is the stall watchdog's:
+at once instead of waiting for it. With the per-call check off, ``advised`` makes a failing
+MPI call say how to see which ranks differ. (A rank that never arrives is the stall watchdog's:
 ``meta_dist.watchdog``.)
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -161,3 +162,19 @@ def _call(api: str, arrays: list[Any], op: str, root: int) -> dict[str, Any]:
             "dtype": str(arrays[0].dtype), "size": sum(int(a.size) for a in arrays),
             "shapes": [tuple(a.shape) for a in arrays],
             "arrays": "cupy arrays" if kind else "numpy arrays", "described": f"{api} of {shown}"}
+
+
+def advised(run: Callable[[], Any], api: str) -> Callable[[], Any]:
+    """Wrap ``run`` so that an MPI failure says what the per-call check would have shown."""
+
+    def run_advised() -> Any:
+        try:
+            return run()
+        except MPI.Exception as error:
+            raise RuntimeError(
+                f"{api}: the MPI library failed: {error.Get_error_string().strip()}; with "
+                "META_DIST_CHECK=0 the ranks' calls are not compared before they run, and ranks "
+                "that pass arrays of different sizes or dtypes fail like this: run with "
+                "META_DIST_CHECK=1 to see which ranks differ") from error
+
+    return run_advised

@@ -1,6 +1,7 @@
 """Where a communicator's operations run: now, or in order on its threads, watched.
 
-Imports the standard library only. Every rank must issue collectives in the same order: one
+Imports mpi4py (the thread level) and meta_dist.watchdog. Every rank must issue collectives in
+the same order: one
 single-thread executor per communicator runs them first in, first out (a Future carries each
 result or exception to its waiter), and a blocking call made while work is queued joins the
 queue instead of overtaking it. Sends to each peer and receives from each peer get a thread
@@ -14,6 +15,13 @@ import functools
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+from meta_dist.lazy_mpi import MPI
+
+from meta_dist.watchdog import StallWatchdog, resolve_stall_timeout
+
+THREAD_LEVELS = {"THREAD_SINGLE": "single", "THREAD_FUNNELED": "funneled",
+                 "THREAD_SERIALIZED": "serialized", "THREAD_MULTIPLE": "multiple"}
 
 
 class Handle:
@@ -44,13 +52,21 @@ class CommThreads:
     """A communicator's threads, each started on first use, and the bookkeeping of every call.
 
     Args:
-        watchdog: told when each operation starts and ends (None: nobody watches).
+        connector: the MPI world (the watchdog's side channel is a Dup of it). Collective.
+        thread_level: MPI's thread level; work on a thread of its own needs "multiple".
+        stall_timeout: seconds before the watchdog ends a stalled job (None: no watchdog).
         on_start: run first on every thread (e.g. to make this rank's GPU current, which is
             per thread in CUDA); if it raises, every call queued there fails.
     """
 
-    def __init__(self, watchdog: Any, on_start: Callable[[], None]) -> None:
-        self.watchdog, self._on_start = watchdog, on_start
+    def __init__(self, connector: Any, thread_level: int, stall_timeout: float | None,
+                 on_start: Callable[[], None]) -> None:
+        self.thread_level, self._on_start = thread_level, on_start
+        self.watchdog: StallWatchdog | None = None  # told when each operation starts and ends
+        if stall_timeout is not None:  # the side channel: MPI calls from the watchdog thread
+            side = (connector.comm.Dup() if connector.size > 1
+                    and thread_level >= MPI.THREAD_MULTIPLE else None)
+            self.watchdog = StallWatchdog(connector.rank, connector.size, stall_timeout, side)
         self.trace: Any = None  # a meta_dist.trace.Trace that records every operation
         # None (the collectives) or (send|recv, peer) -> (executor, its last Future)
         self._queues: dict[Any, tuple[ThreadPoolExecutor, Future | None]] = {}
@@ -81,11 +97,44 @@ class CommThreads:
         self._queues[key] = (executor, future)
         return Handle(future, getattr(call, "after", None))
 
+    def check_async(self, api: str) -> None:
+        """Refuse work on a thread of its own unless MPI allows calls from any thread."""
+        if self.thread_level < MPI.THREAD_MULTIPLE:
+            level = next((word for name, word in THREAD_LEVELS.items()
+                          if getattr(MPI, name) == self.thread_level), self.thread_level)
+            raise RuntimeError(
+                f"{api}_async: MPI was initialised with thread level {level!r}, and the async "
+                "collectives (and the trainer's overlap_comm) call MPI from a communication "
+                "thread, which needs 'multiple'; leave mpi4py.rc.thread_level at its default "
+                "('multiple') before MPI starts, or call the blocking collective (overlap_comm: "
+                "false in meta_dist_config)")
+
+    def set_stall_timeout(self, seconds: float | None) -> float | None:
+        """Change the stall timeout and return it (the environment still wins; see Communicator).
+
+        Raises:
+            RuntimeError: a limit for threads made without a watchdog.
+        """
+        seconds = resolve_stall_timeout(seconds)
+        if self.watchdog is None and seconds:
+            raise RuntimeError(
+                f"stall_timeout {seconds:g}: this communicator was made without a stall "
+                "watchdog (stall_timeout None or META_DIST_STALL_TIMEOUT=0); make it with a "
+                "timeout")
+        if self.watchdog is not None:
+            self.watchdog.set_timeout(seconds)
+        return seconds
+
     def close(self) -> None:
         """Finish the queued work and stop the threads."""
         for executor, _ in self._queues.values():
             executor.shutdown(wait=True)
         self._queues.clear()
+
+    def stop_watching(self) -> None:
+        """Stop the watchdog and free its side channel (the communicator is closing)."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
 
     def _watched(self, call: Callable[[], Any], api: str, peer: int | None,
                  arrays: Any) -> Any:

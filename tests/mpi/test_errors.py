@@ -269,11 +269,11 @@ def test_without_the_per_call_check_a_mismatch_still_surfaces(connector, differs
 def test_mpi_errors_without_the_check_say_how_to_see_which_ranks_differ():
     from mpi4py import MPI
 
-    from meta_dist.comm.base import _advised
+    from meta_dist.comm.consistency import advised
 
     def truncated():
         raise MPI.Exception(MPI.ERR_TRUNCATE)
 
     with pytest.raises(RuntimeError, match=r"allreduce: the MPI library failed: .*run with "
                                            "META_DIST_CHECK=1 to see which ranks differ"):
-        _advised(truncated, "allreduce")()
+        advised(truncated, "allreduce")()
