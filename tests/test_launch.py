@@ -207,7 +207,7 @@ def test_checkpoint_cli_needs_no_mpi(saved_at_4_ranks, tmp_path):
     import sys
 
     block = "import sys; sys.modules['mpi4py.MPI'] = None; "
-    code = (block + "from meta_dist.checkpoint import main; "
+    code = (block + "from meta_dist.checkpoint.cli import main; "
             "sys.exit(main(sys.argv[1:]))")
     out = tmp_path / "model.npz"
     for args in (["info", str(saved_at_4_ranks)],

@@ -1,5 +1,8 @@
 """Training benchmark: the reference MLP, or a GPT, at ZeRO levels 0-3 (and PyTorch).
 
+Run by meta_dist.bench (``bench train``); imports meta_dist.bench.workloads (what is trained),
+and meta_dist.bench.torch_side (PyTorch's variants) only with --torch.
+
     mpirun -np 2 [--bind-to core] python -m meta_dist bench train [--levels 0,1,2,3]
         [--steps 30] [--warmup 5] [--blocks 5] [--overlap | --no-overlap] [--bucket-mb 25]
         [--hidden 1024 | --big | --xl] [--depth 2] [--precision fp32|fp16|bf16]
@@ -42,9 +45,7 @@ both ranks on one core, and then every exchange waits a whole time slice.
 import argparse
 import gc
 import importlib
-import os
 import resource
-import socket
 import time
 
 import numpy as np
@@ -52,121 +53,22 @@ import numpy as np
 from meta_dist import blas_threads
 from meta_dist import distributed as dist
 from meta_dist.bench.plot import check_plotting, plot_memory
+from meta_dist.bench.workloads import BATCHES, SEED, GPTWorkload, MLPWorkload, count_params
 from meta_dist.config import load_config
 from meta_dist.lazy_mpi import MPI
-from meta_dist.models import gpt
 from meta_dist.nn.init import deferred
-from meta_dist.nn.layers import Linear, ReLU
-from meta_dist.nn.losses import cross_entropy_tokens, softmax_cross_entropy
-from meta_dist.nn.model import Sequential
-from meta_dist.train import Trainer, array_module_for, synthetic_classification
-from meta_dist.train.data import char_corpus, windows
+from meta_dist.train import Trainer, array_module_for
 from meta_dist.train.memory import PeakMeter
 
-BATCHES, SEED = 8, 0
 MIB = 2**20
 
 
-def build_mlp(hidden, depth=2, xp=np):
-    """Return the reference MLP on ``xp``, initialised from SEED (identical on every rank)."""
-    kw = {"rng": np.random.default_rng(SEED), "dtype": np.float32, "xp": xp}
-    layers = [Linear(784, hidden, **kw), ReLU()]
-    for _ in range(depth - 1):
-        layers += [Linear(hidden, hidden, **kw), ReLU()]
-    return Sequential(*layers, Linear(hidden, 10, **kw))
-
-
-class MLPWorkload:
-    """The reference MLP on synthetic classification data."""
-
-    unit = "samples"
-
-    def __init__(self, args):
-        self.hidden, self.depth, self.global_batch = args.hidden, args.depth, args.batch or 256
-        self.x, self.y = synthetic_classification(BATCHES * self.global_batch, (784,), 10,
-                                                  seed=SEED)
-        self.config = {"input_shape": [784], "num_classes": 10}
-        self.loss_fn, self.per_step = softmax_cross_entropy, self.global_batch
-
-    def describe(self):
-        shape = "-".join(["784"] + [str(self.hidden)] * self.depth + ["10"])
-        return f"MLP {shape}"
-
-    def meta_model(self, xp=np):
-        return build_mlp(self.hidden, self.depth, xp)
-
-    def torch_model(self):
-        """Return (model, units): the torch MLP with the same weights, and its FSDP units."""
-        import torch
-
-        h = self.hidden
-        layers = [torch.nn.Linear(784, h), torch.nn.ReLU()]
-        for _ in range(self.depth - 1):
-            layers += [torch.nn.Linear(h, h), torch.nn.ReLU()]
-        model = torch.nn.Sequential(*layers, torch.nn.Linear(h, 10))
-        with torch.no_grad():  # meta_dist stores W as (in, out), torch as (out, in)
-            start = self.meta_model()
-            for mine, theirs in zip(model[::2], start.layers[::2], strict=True):
-                mine.weight.copy_(torch.from_numpy(theirs.params["weight"].T))
-                mine.bias.copy_(torch.from_numpy(theirs.params["bias"]))
-        return model, list(model[::2])
-
-    @staticmethod
-    def torch_loss(out, y):
-        import torch.nn.functional as F
-
-        return F.cross_entropy(out, y)
-
-
-class GPTWorkload:
-    """A GPT (meta_dist.models.gpt) on the standard library's characters, next-token loss."""
-
-    unit = "tokens"
-
-    def __init__(self, args):
-        self.n_layer, self.n_head, self.n_embd, self.block_size = args.gpt
-        self.global_batch = args.batch or 32
-        ids, self.vocab = char_corpus()
-        x, y = windows(ids, self.block_size)
-        need = BATCHES * self.global_batch
-        if len(x) < need:
-            raise SystemExit(f"bench train: the corpus has {len(x)} windows of "
-                             f"{self.block_size}; --batch {self.global_batch} needs {need}")
-        self.x, self.y = np.ascontiguousarray(x[:need]), np.ascontiguousarray(y[:need])
-        self.config = {}
-        self.loss_fn, self.per_step = cross_entropy_tokens, self.global_batch * self.block_size
-
-    def describe(self):
-        return (f"GPT {self.n_layer} layers x {self.n_head} heads, width {self.n_embd}, context "
-                f"{self.block_size}, vocabulary {len(self.vocab)}")
-
-    def meta_model(self, xp=np):
-        return gpt(len(self.vocab), self.block_size, self.n_layer, self.n_head, self.n_embd,
-                   seed=SEED, dtype=np.float32, xp=xp)
-
-    def torch_model(self):
-        """Return (model, units): TorchGPT with the same weights, and its blocks as FSDP units."""
-        from meta_dist.models.torch_gpt import twin
-
-        model = twin(self.meta_model(), len(self.vocab), self.block_size, self.n_layer,
-                     self.n_head, self.n_embd)
-        return model, list(model.h)
-
-    def torch_loss(self, logits, y):
-        import torch.nn.functional as F
-
-        return F.cross_entropy(logits.view(-1, len(self.vocab)), y.view(-1))
-
-
-def count_params(model):
-    """Return the number of parameters of a meta_dist model; a tied array counts once."""
-    arrays = {id(a): a for layer in model.layers for a in layer.params.values()}
-    return sum(a.size for a in arrays.values())
-
-
 class VariantMemory:
-    """A variant's memory per rank from its build on, MiB: host RSS on the CPU; on a GPU the
-    allocator that holds its arrays (CuPy's pool for meta_dist, torch's for torch)."""
+    """A variant's memory per rank from its build on, MiB.
+
+    Host RSS on the CPU; on a GPU the allocator that holds its arrays (CuPy's pool for
+    meta_dist, torch's for torch).
+    """
 
     def __init__(self, device, is_torch):
         self.torch = None
@@ -205,66 +107,6 @@ def meta_variant(level, work, args):
     # the batch is copied to the device inside the step, as torch's is; float() waits for it
     return (lambda x, y: float(trainer.train_step(xp.asarray(x), xp.asarray(y))),
             trainer.memory_report(), trainer.comm.traffic)
-
-
-def torch_variant(kind, work, args):
-    """Return (step function, None, None) for PyTorch: "ddp", "zero" (DDP with
-    ZeroRedundancyOptimizer) or "fsdp" (FSDP2 ``fully_shard`` on each of the workload's units,
-    then on the model: FULL_SHARD, or SHARD_GRAD_OP's behaviour with --no-reshard); gloo on the
-    CPU."""
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel
-
-    model, units = work.torch_model()
-    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else None
-    model.to(device or "cpu")
-    if kind == "fsdp":
-        mesh = init_device_mesh(device.type if device else "cpu",
-                                (torch.distributed.get_world_size(),))
-        for unit in units:  # one unit each, as meta_dist's level 3 gathers layer by layer
-            fully_shard(unit, mesh=mesh, reshard_after_forward=args.reshard)
-        ddp = fully_shard(model, mesh=mesh, reshard_after_forward=args.reshard)
-    else:
-        ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb,
-                                      device_ids=[device] if device else None)
-    if kind == "zero":
-        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
-    else:
-        opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
-
-    def step(x, y):
-        opt.zero_grad()
-        x, y = torch.from_numpy(x), torch.from_numpy(y)
-        if device is not None:
-            x, y = x.to(device), y.to(device)
-        loss = work.torch_loss(ddp(x), y)
-        loss.backward()
-        opt.step()
-        return loss.item()  # a Python float, as the meta_dist step returns
-
-    return step, None, None
-
-
-def start_torch(world, device):
-    """Initialise torch.distributed (gloo on CPU, nccl on GPU) with MPI's rank and size."""
-    import torch
-    import torch.distributed
-
-    torch.set_num_threads(1)
-    port = None
-    if world.rank == 0:
-        with socket.socket() as sock:  # a free port now; gloo binds it right after
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(world.bcast(port)))
-    if device == "cuda":
-        local = world.Split_type(MPI.COMM_TYPE_SHARED).rank
-        torch.cuda.set_device(local % torch.cuda.device_count())
-    torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo",
-                                         rank=world.rank, world_size=world.size)
 
 
 def parse_args(argv):
@@ -325,6 +167,7 @@ def parse_args(argv):
 
 
 def main(argv):
+    """Build every variant, time their steps in alternating blocks, print the table."""
     args = parse_args(argv)
     blas_threads.use_threads(1)  # before MPI: the connector then leaves the count alone
     dist.get_context()  # meta_dist up before torch, so its communicators come first
@@ -336,14 +179,17 @@ def main(argv):
     starts = [i * glob + rank * local for i in range(BATCHES)]  # this rank's part
     batches = [(work.x[s:s + local], work.y[s:s + local]) for s in starts]
     if args.torch:
-        start_torch(world, args.device)
+        from meta_dist.bench import torch_side  # torch (the bench extra) only when asked for
+
+        torch_side.start_torch(world, args.device)
     makers = {f"meta_dist ZeRO-{lv}" if lv else "meta_dist DP":
               (lambda lv=lv: meta_variant(lv, work, args)) for lv in args.levels}
     if args.torch:
-        makers["torch DDP"] = lambda: torch_variant("ddp", work, args)
-        makers["torch DDP + ZeroRedundancyOpt"] = lambda: torch_variant("zero", work, args)
+        makers["torch DDP"] = lambda: torch_side.torch_variant("ddp", work, args)
+        makers["torch DDP + ZeroRedundancyOpt"] = \
+            lambda: torch_side.torch_variant("zero", work, args)
         makers["torch FSDP2 " + ("FULL_SHARD" if args.reshard else "SHARD_GRAD_OP")] = \
-            lambda: torch_variant("fsdp", work, args)
+            lambda: torch_side.torch_variant("fsdp", work, args)
 
     runs = {}  # name -> dict(step, report, peak, held, times, done, loss)
     for name, make in makers.items():

@@ -13,19 +13,14 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from meta_dist.nn.init import DeferredValues
+from meta_dist.nn.composite import Composite
+from meta_dist.nn.dropout import derive_seed
+from meta_dist.nn.embedding import Embedding
+from meta_dist.nn.init import DeferredValues, draw_normal
 from meta_dist.nn.layers import Layer, Linear
 from meta_dist.nn.model import Sequential
-from meta_dist.nn.transformer import (
-    Block,
-    Composite,
-    Embedding,
-    LayerNorm,
-    TiedHead,
-    TokenAndPosition,
-    derive_seed,
-    draw_normal,
-)
+from meta_dist.nn.norm import LayerNorm
+from meta_dist.nn.transformer import Block, TiedHead, TokenAndPosition
 
 INIT_STD = 0.02  # nanoGPT's (and GPT-2's) standard deviation of weights and embeddings
 
@@ -51,7 +46,7 @@ def gpt(vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int
         n_embd: model width.
         dropout: drop probability after the embeddings, on the attention probabilities and
             after each residual branch; dropout masks are seeded from ``seed`` (see
-            ``transformer.Dropout``; ``transformer.set_dropout_rank`` sets the rank).
+            ``nn.dropout.Dropout``; ``nn.dropout.set_dropout_rank`` sets the rank).
         seed: seed of the initial values and of the dropout masks.
         dtype: parameter dtype.
         xp: array module (numpy or cupy) the parameters live on.

@@ -1,6 +1,6 @@
 """GradBlocks and ParamBlocks: a parameter's gradient, or the parameter itself, in row blocks.
 
-Leaf module: imports nothing of meta_dist; ``nn.layers`` writes and reads through it, ``zero.flat``
+Leaf module: imports nothing of meta_dist; the nn layers write and read through it, ``zero.flat``
 makes the GradBlocks and ``zero.stage3`` the ParamBlocks. A layer's backward normally writes each
 parameter gradient into the array ``grads[name]`` at once. A layer too large for one communication
 bucket may instead find a GradBlocks there: it then computes the gradient a block of rows at a time
@@ -86,8 +86,10 @@ class ParamBlocks:
 
 
 def read_rows(param: Any) -> Iterator[tuple[int, int, Any]]:
-    """Yield a parameter as ``(first_row, stop_row, values)`` blocks: a ParamBlocks' blocks,
-    or an array whole (one block)."""
+    """Yield a parameter as ``(first_row, stop_row, values)`` blocks.
+
+    A ParamBlocks gives its own blocks; an array comes whole, as one block.
+    """
     if isinstance(param, ParamBlocks):
         yield from param.blocks()
     else:

@@ -1,7 +1,8 @@
 """Initial values drawn on the host, now or when they are needed (``deferred``).
 
-Leaf module: numpy only. ``draw(rng, kind, scale, shape, dtype)`` returns U(-scale, scale)
-("uniform") or N(0, scale²) ("normal") values in blocks straight into ``dtype``: one float64
+Leaf module: numpy only; the layer modules, ``zero``, ``train`` and ``meta_dist.models`` import it.
+``draw(rng, kind, scale, shape, dtype)`` returns U(-scale, scale) ("uniform") or N(0, scale²)
+("normal", or ``draw_normal``) values in blocks straight into ``dtype``: one float64
 draw of a large layer (and numpy's temporary for the scaling) would take three times the
 layer's memory for a moment. The values are those of one draw of the whole shape (the
 generator's stream is sequential), so every rank with the same seed agrees.
@@ -67,6 +68,22 @@ def draw(rng: np.random.Generator, kind: str, scale: float, shape: tuple[int, ..
     return out
 
 
+def draw_normal(rng: np.random.Generator, std: float, shape: tuple[int, ...],
+                dtype=np.float32) -> np.ndarray:
+    """Draw N(0, std**2) on the host in blocks: ``draw(rng, "normal", std, shape, dtype)``.
+
+    Args:
+        rng: host generator; every rank with the same seed draws the same values.
+        std: standard deviation.
+        shape: shape of the result.
+        dtype: dtype of the result (each block is cast as it is drawn).
+
+    Returns:
+        A numpy array of ``shape`` and ``dtype`` (DeferredValues inside ``nn.init.deferred``).
+    """
+    return draw(rng, "normal", std, shape, dtype)
+
+
 class DeferredValues:
     """A parameter's initial values as a recipe: read a slice of them when needed.
 
@@ -90,8 +107,11 @@ class DeferredValues:
         self.recipe, self._cursor = recipe, None
 
     def read(self, lo: int, hi: int) -> np.ndarray:
-        """Return flat elements ``[lo, hi)`` in ``dtype``. Reading upwards costs one draw per
-        element in all; reading below the last read starts the stream again."""
+        """Return flat elements ``[lo, hi)`` in ``dtype``.
+
+        Reading upwards costs one draw per element in all; reading below the last read starts
+        the stream again.
+        """
         kind, scale, state = self.recipe
         if kind == "zeros":
             return np.zeros(hi - lo, self.dtype)

@@ -1,8 +1,12 @@
-"""Layers with forward() and backward() side by side: Linear, Conv2d, BatchNorm, activations, pools.
+"""The Layer contract and the plain layers: Linear, ReLU, Sigmoid, Tanh, GELU, Flatten, LogSoftmax.
 
-Leaf module: imports numpy and ``meta_dist.xp`` only; ``nn.model`` and the tests import it.
-Every layer runs unchanged on numpy or CuPy arrays: the array module comes from the input or a
-parameter, and numpy itself is used only to draw initial values on the host.
+Leaf module: imports numpy, ``meta_dist.xp``, ``nn.init`` and ``nn.grad_blocks`` only; the
+other layer modules (``conv``, ``norm``, ``embedding``, ``composite``, ``dropout``,
+``transformer``), ``nn.model``, ``meta_dist.models``, the benchmarks and the tests import it.
+The checks and helpers here (``_positive``, ``_check_last_axis``, ``_uniform``, ``_matmul_into``)
+serve those layer modules too. Every layer runs unchanged on numpy or CuPy arrays: the array
+module comes from the input or a parameter, and numpy itself is used only to draw initial values
+on the host.
 
 Initialisation follows PyTorch's defaults (``torch.nn.Linear.reset_parameters``):
 https://pytorch.org/docs/stable/generated/torch.nn.Linear.html
@@ -64,8 +68,10 @@ class Layer:
         raise NotImplementedError
 
     def _add_param(self, name: str, value: Any, dtype, xp: types.ModuleType) -> None:
-        """Move a host-drawn value onto ``xp`` as ``params[name]``, with a zero grad beside it
-        (DeferredValues stay a recipe, for ``xp`` in ``dtype``: ``nn.init.deferred``)."""
+        """Move a host-drawn value onto ``xp`` as ``params[name]``, with a zero grad beside it.
+
+        DeferredValues stay a recipe, for ``xp`` in ``dtype`` (``nn.init.deferred``).
+        """
         if isinstance(value, DeferredValues):
             value.dtype, value.xp = np.dtype(dtype), xp
             self.params[name] = value
@@ -84,22 +90,6 @@ def _uniform(rng: np.random.Generator, bound: float, shape: tuple[int, ...],
     return draw(rng, "uniform", bound, shape, dtype)
 
 
-def _pair(api: str, name: str, value, minimum: int) -> tuple[int, int]:
-    """Return ``value`` (an int or a pair of ints) as a pair, checking each is >= minimum."""
-    pair = (value, value) if isinstance(value, int) else value
-    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(
-        isinstance(v, int) for v in pair
-    ):
-        raise TypeError(
-            f"{api}: {name} has the wrong type; got {value!r}, expected an int or a pair of ints"
-        )
-    if min(pair) < minimum:
-        raise ValueError(
-            f"{api}: {name} too small; got {value!r}, expected every entry >= {minimum}"
-        )
-    return tuple(pair)
-
-
 def _positive(api: str, name: str, value) -> int:
     """Return ``value`` if it is a positive int, else raise TypeError or ValueError."""
     if not isinstance(value, int):
@@ -114,48 +104,6 @@ def _check_last_axis(api: str, x, width: int) -> None:
     if x.ndim < 1 or x.shape[-1] != width:
         raise ValueError(f"{api}: last axis of input is wrong; got shape {tuple(x.shape)}, "
                          f"expected (..., {width})")
-
-
-def _check_4d(api: str, x, channels: int | None = None) -> None:
-    """Raise ValueError unless ``x`` is NCHW (with ``channels`` channels when given)."""
-    if x.ndim != 4 or (channels is not None and x.shape[1] != channels):
-        rule = "(N, C, H, W)" if channels is None else f"(N, {channels}, H, W)"
-        raise ValueError(f"{api}: input has the wrong shape; got {tuple(x.shape)}, expected {rule}")
-
-
-def _windows(x, kernel: tuple[int, int], stride: tuple[int, int], api: str):
-    """Return a strided view of shape (N, C, kh, kw, OH, OW) over ``x`` (NCHW); no copy."""
-    n, c, h, w = x.shape
-    (kh, kw), (sh, sw) = kernel, stride
-    if h < kh or w < kw:
-        raise ValueError(
-            f"{api}: input (after padding) is smaller than the kernel; got {h}x{w}, "
-            f"expected at least {kh}x{kw}"
-        )
-    oh, ow = (h - kh) // sh + 1, (w - kw) // sw + 1
-    s_n, s_c, s_h, s_w = x.strides
-    xp = array_module(x)
-    return xp.lib.stride_tricks.as_strided(
-        x, shape=(n, c, kh, kw, oh, ow), strides=(s_n, s_c, s_h, s_w, s_h * sh, s_w * sw)
-    )
-
-
-def _scatter_windows(dwin, out_hw: tuple[int, int], stride: tuple[int, int]):
-    """Sum a (N, C, kh, kw, OH, OW) window gradient back onto an (N, C, H, W) zero image.
-
-    Loops over the kh*kw kernel offsets only; each pass is one strided add over the whole batch,
-    and it is right for overlapping windows where a pixel gets several contributions.
-    """
-    xp = array_module(dwin)
-    n, c, kh, kw, oh, ow = dwin.shape
-    (sh, sw) = stride
-    dx = xp.zeros((n, c, *out_hw), dtype=dwin.dtype)
-    for i in range(kh):
-        for j in range(kw):
-            rows = slice(i, i + sh * (oh - 1) + 1, sh)
-            cols = slice(j, j + sw * (ow - 1) + 1, sw)
-            dx[:, :, rows, cols] += dwin[:, :, i, j]
-    return dx
 
 
 def _matmul_into(a, b, grad) -> None:
@@ -223,10 +171,13 @@ class Linear(Layer):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def _forward_blocks(self, x2, weight: ParamBlocks):
-        """``x2 @ W + b`` with W and b read a block of rows at a time (each block valid until
-        the next is read): the bias first (it lies below the weight in the flat buffer, so
-        its bucket is the weight's first), then x @ W as the sum of x[:, rows] @ W[rows],
-        added up in float32 when the layer computes in 16 bits (as one product would)."""
+        """Return ``x2 @ W + b`` with W and b read a block of rows at a time.
+
+        Each block is valid until the next is read: the bias first (it lies below the weight in
+        the flat buffer, so its bucket is the weight's first), then x @ W as the sum of
+        x[:, rows] @ W[rows], added up in float32 when the layer computes in 16 bits (as one
+        product would).
+        """
         xp = array_module(x2)
         bias = None
         if "bias" in self.params:
@@ -266,197 +217,6 @@ class Linear(Layer):
         for first, stop, w in weight.blocks():  # dx[:, rows] = dout @ W[rows].T
             dx[:, first:stop] = d2 @ w.T
         return dx.reshape(*dout.shape[:-1], self.in_features)
-
-
-class Conv2d(Layer):
-    """2-D convolution over NCHW input, weight of shape (out, in, kh, kw).
-
-    Forward is im2col (a strided view, materialised once as (N, in*kh*kw, OH*OW)) and one
-    batched matmul, which yields NCHW output directly with no transpose copy. Backward computes
-    dW by a batched matmul summed over the batch, and col2im by looping over kernel offsets.
-    """
-
-    grad_rows = True
-
-    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, *,
-                 bias: bool = True, rng: np.random.Generator, dtype=np.float32,
-                 xp: types.ModuleType = np) -> None:
-        """Create the layer with PyTorch's default initialisation.
-
-        Args:
-            in_channels: channels of the input.
-            out_channels: channels of the output.
-            kernel_size: int or (kh, kw).
-            stride: int or (sh, sw).
-            padding: int or (ph, pw) zeros added on each side.
-            bias: whether to add a learned per-channel bias.
-            rng: host generator; weight and bias ~ U(-k, k), k = 1/sqrt(in_channels*kh*kw).
-            dtype: parameter dtype.
-            xp: array module (numpy or cupy) the parameters live on.
-
-        Raises:
-            ValueError: a size is not positive (padding may be 0).
-            TypeError: a size is not an int (or, where allowed, a pair of ints).
-        """
-        super().__init__()
-        self.in_channels = _positive("Conv2d", "in_channels", in_channels)
-        self.out_channels = _positive("Conv2d", "out_channels", out_channels)
-        self.kernel_size = _pair("Conv2d", "kernel_size", kernel_size, 1)
-        self.stride = _pair("Conv2d", "stride", stride, 1)
-        self.padding = _pair("Conv2d", "padding", padding, 0)
-        kh, kw = self.kernel_size
-        bound = 1.0 / math.sqrt(in_channels * kh * kw)
-        shape = (out_channels, in_channels, kh, kw)
-        self._add_param("weight", _uniform(rng, bound, shape, dtype), dtype, xp)
-        if bias:
-            self._add_param("bias", _uniform(rng, bound, (out_channels,), dtype), dtype, xp)
-        self.cols = None
-        self.padded_hw = None
-        self.x_hw = None
-
-    def forward(self, x):
-        """Return the convolution of ``x``; keeps the im2col matrix for backward.
-
-        Raises:
-            ValueError: x is not (N, in_channels, H, W) or is smaller than the kernel.
-        """
-        _check_4d("Conv2d.forward", x, self.in_channels)
-        xp = array_module(x)
-        ph, pw = self.padding
-        self.x_hw = x.shape[2:]
-        if ph or pw:
-            x = xp.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))  # a copy, as im2col needs one
-        self.padded_hw = x.shape[2:]
-        win = _windows(x, self.kernel_size, self.stride, "Conv2d.forward")
-        n, _, _, _, oh, ow = win.shape
-        self.cols = win.reshape(n, -1, oh * ow)  # the one im2col copy
-        out = xp.matmul(self.params["weight"].reshape(self.out_channels, -1), self.cols)
-        if "bias" in self.params:
-            out += self.params["bias"][:, None]
-        return out.reshape(n, self.out_channels, oh, ow)
-
-    def backward(self, dout):
-        """Write dW and db in place; return dx by col2im over the kernel offsets."""
-        xp = array_module(dout)
-        n, _, oh, ow = dout.shape
-        d3 = dout.reshape(n, self.out_channels, oh * ow)
-        weight = self.params["weight"]
-        grad_w = self.grads["weight"]
-        # (N, out, in*kh*kw) temporary, then a sum over N: measured faster than one tensordot,
-        # which would copy the whole im2col matrix into a transposed layout first.
-        def weight_rows(first: int, stop: int, out) -> None:
-            per_sample = xp.matmul(d3[:, first:stop], self.cols.transpose(0, 2, 1))
-            if out.flags.c_contiguous:
-                per_sample.sum(axis=0, out=out.reshape(per_sample.shape[1:]))
-            else:
-                out[...] = per_sample.sum(axis=0).reshape(out.shape)
-
-        write_grad(grad_w, weight_rows)
-        if "bias" in self.grads:
-            write_grad(self.grads["bias"],
-                       lambda first, stop, out: d3[:, first:stop].sum(axis=(0, 2), out=out))
-        if not self.input_grad:
-            return None
-        dcols = xp.matmul(weight.reshape(self.out_channels, -1).T, d3)
-        dwin = dcols.reshape(n, self.in_channels, *self.kernel_size, oh, ow)
-        dx = _scatter_windows(dwin, self.padded_hw, self.stride)
-        (ph, pw), (h, w) = self.padding, self.x_hw
-        return dx[:, :, ph : ph + h, pw : pw + w]
-
-
-class BatchNorm(Layer):
-    """Batch normalisation over every axis except 1, for (N, C) or (N, C, H, W) input.
-
-    Training mode normalises with this batch's statistics (biased variance) and updates
-    ``running_mean`` and ``running_var`` as PyTorch does, the latter with the unbiased batch
-    variance. Eval mode normalises with the running statistics. The statistics are over this
-    rank's own part of the batch, not the global batch (PyTorch DDP's default, no SyncBatchNorm).
-    The running statistics are buffers (plain attributes), not params.
-    """
-
-    buffer_names = ("running_mean", "running_var")
-
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1, *,
-                 rng: np.random.Generator | None = None, dtype=np.float32,
-                 xp: types.ModuleType = np) -> None:
-        """Create the layer with weight 1, bias 0, running mean 0 and running variance 1.
-
-        Args:
-            num_features: size of axis 1 (channels).
-            eps: added to the variance before the square root.
-            momentum: weight of the new batch in the running statistics.
-            rng: accepted for a uniform constructor across layers; unused (init is constant).
-            dtype: parameter and buffer dtype.
-            xp: array module (numpy or cupy) the parameters live on.
-
-        Raises:
-            TypeError: num_features is not an int.
-            ValueError: num_features is not positive or momentum is outside [0, 1].
-        """
-        super().__init__()
-        self.num_features = _positive("BatchNorm", "num_features", num_features)
-        if not 0.0 <= momentum <= 1.0:
-            raise ValueError(f"BatchNorm: momentum out of range; got {momentum}, expected [0, 1]")
-        self.eps = eps
-        self.momentum = momentum
-        self._add_param("weight", np.ones(num_features), dtype, xp)
-        self._add_param("bias", np.zeros(num_features), dtype, xp)
-        self.running_mean = xp.zeros(num_features, dtype=dtype)
-        self.running_var = xp.ones(num_features, dtype=dtype)
-        self.xhat = None
-        self.inv_std = None
-        self.used_batch_stats = False
-
-    def _axes_and_shape(self, x) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Return the reduction axes and the broadcast shape of a per-channel vector."""
-        if x.ndim < 2 or x.shape[1] != self.num_features:
-            raise ValueError(f"BatchNorm.forward: input has the wrong shape; got "
-                             f"{tuple(x.shape)}, expected (N, {self.num_features}, ...)")
-        axes = (0, *range(2, x.ndim))
-        return axes, (1, self.num_features) + (1,) * (x.ndim - 2)
-
-    def forward(self, x):
-        """Return ``weight * xhat + bias``; keeps xhat and 1/std for backward.
-
-        Raises:
-            ValueError: axis 1 of x is not num_features, or training sees one value per channel.
-        """
-        xp = array_module(x)
-        axes, bshape = self._axes_and_shape(x)
-        self.used_batch_stats = self.training
-        if self.training:
-            count = x.size // self.num_features
-            if count < 2:
-                raise ValueError(f"BatchNorm.forward: too few values per channel in training; "
-                                 f"got {count}, expected >= 2")
-            mean = x.mean(axis=axes)
-            var = x.var(axis=axes)
-            m = self.momentum
-            self.running_mean *= 1.0 - m
-            self.running_mean += m * mean
-            self.running_var *= 1.0 - m
-            self.running_var += (m * count / (count - 1)) * var
-        else:
-            mean, var = self.running_mean, self.running_var
-        self.inv_std = 1.0 / xp.sqrt(var + self.eps)
-        self.xhat = (x - mean.reshape(bshape)) * self.inv_std.reshape(bshape)
-        weight, bias = self.params["weight"], self.params["bias"]
-        return self.xhat * weight.reshape(bshape) + bias.reshape(bshape)
-
-    def backward(self, dout):
-        """Write dweight and dbias in place; return dx (through the batch stats in training)."""
-        axes, bshape = self._axes_and_shape(dout)
-        grad_w, grad_b = self.grads["weight"], self.grads["bias"]
-        (dout * self.xhat).sum(axis=axes, out=grad_w)
-        dout.sum(axis=axes, out=grad_b)
-        scale = (self.params["weight"] * self.inv_std).reshape(bshape)
-        if not self.used_batch_stats:
-            return dout * scale
-        # dx = w/std * (dout - mean(dout) - xhat * mean(dout * xhat)); the two means are the
-        # grads just written, divided by the count, so no extra reductions are needed.
-        count = dout.size // self.num_features
-        return scale * (dout - grad_b.reshape(bshape) / count
-                        - self.xhat * (grad_w.reshape(bshape) / count))
 
 
 class ReLU(Layer):
@@ -557,76 +317,6 @@ class GELU(Layer):
             return grad * dout
         grad *= dout
         return grad
-
-
-class _Pool2d(Layer):
-    """Shared constructor of the pooling layers: NCHW, no padding, stride defaults to kernel."""
-
-    def __init__(self, kernel_size, stride=None) -> None:
-        """Create the layer.
-
-        Args:
-            kernel_size: int or (kh, kw).
-            stride: int or (sh, sw); None means kernel_size (non-overlapping windows).
-
-        Raises:
-            ValueError: a size is not positive.
-            TypeError: kernel_size or stride is not an int or a pair of ints.
-        """
-        super().__init__()
-        name = type(self).__name__
-        self.kernel_size = _pair(name, "kernel_size", kernel_size, 1)
-        self.stride = _pair(name, "stride", kernel_size if stride is None else stride, 1)
-        self.x_hw = None
-
-
-class AvgPool2d(_Pool2d):
-    """Average pooling over NCHW input, no padding; ``stride`` defaults to ``kernel_size``."""
-
-    def forward(self, x):
-        """Return the mean over each window."""
-        _check_4d("AvgPool2d.forward", x)
-        self.x_hw = x.shape[2:]
-        return _windows(x, self.kernel_size, self.stride, "AvgPool2d.forward").mean(axis=(2, 3))
-
-    def backward(self, dout):
-        """Spread each output gradient evenly over its window."""
-        xp = array_module(dout)
-        kh, kw = self.kernel_size
-        n, c, oh, ow = dout.shape
-        share = dout / (kh * kw)
-        dwin = xp.broadcast_to(share[:, :, None, None], (n, c, kh, kw, oh, ow))
-        return _scatter_windows(dwin, self.x_hw, self.stride)
-
-
-class MaxPool2d(_Pool2d):
-    """Max pooling over NCHW input, no padding; ``stride`` defaults to ``kernel_size``.
-
-    On ties the gradient goes to the first maximal element of the window (row-major order).
-    """
-
-    def __init__(self, kernel_size, stride=None) -> None:
-        """Create the layer; see ``_Pool2d``. Keeps each window's argmax for backward."""
-        super().__init__(kernel_size, stride)
-        self.argmax = None
-
-    def forward(self, x):
-        """Return the max over each window; keeps the argmax within each window."""
-        _check_4d("MaxPool2d.forward", x)
-        self.x_hw = x.shape[2:]
-        win = _windows(x, self.kernel_size, self.stride, "MaxPool2d.forward")
-        n, c, kh, kw, oh, ow = win.shape
-        flat = win.reshape(n, c, kh * kw, oh, ow)  # copies the windows once
-        self.argmax = flat.argmax(axis=2)
-        return flat.max(axis=2)
-
-    def backward(self, dout):
-        """Route each output gradient to its window's (first) maximum."""
-        xp = array_module(dout)
-        kh, kw = self.kernel_size
-        offsets = xp.arange(kh * kw).reshape(1, 1, kh, kw, 1, 1)
-        dwin = (self.argmax[:, :, None, None] == offsets) * dout[:, :, None, None]
-        return _scatter_windows(dwin, self.x_hw, self.stride)
 
 
 class Flatten(Layer):

@@ -1,12 +1,12 @@
 """Trainer: config → context → communicator → flat model → ZeRO stage → loop.
 
-The only module that imports everything. It never branches on the ZeRO level: the stage class
-chosen from ``STAGES`` is the whole difference.
+The glue: may import anything (build.py makes the stage, checkpointing.py saves and resumes);
+meta_dist.train exports it. It never branches on the ZeRO level: the stage class build.py
+picks from ``STAGES`` is the whole difference.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import time
@@ -18,87 +18,25 @@ from typing import Any
 import numpy as np
 
 import meta_dist.failfast as failfast
-from meta_dist import checkpoint
 from meta_dist import distributed as dist
 from meta_dist.config import Config, check_same_everywhere, check_world
 from meta_dist.errors import UsageError
 from meta_dist.nn.init import DeferredValues
 from meta_dist.nn.losses import softmax_cross_entropy
 from meta_dist.nn.model import Sequential
-from meta_dist.optim import make_optimizer
 from meta_dist.trace import Trace
+from meta_dist.train import checkpointing
+from meta_dist.train.build import make_stage, param_name, resolve_overlap
 from meta_dist.train.data import DistributedSampler
 from meta_dist.train.guard import StepGuard
 from meta_dist.train.memory import PeakMeter
 from meta_dist.train.scaler import LossScaler
-from meta_dist.train.signals import StopSignals, TrainingStopped
 from meta_dist.train.schedule import learning_rate
-from meta_dist.xp import gpu_count, is_cupy_array, select_device, to_numpy
-from meta_dist.zero import STAGES, FlatModel, ZeroStage
+from meta_dist.train.signals import StopSignals, TrainingStopped
+from meta_dist.xp import is_cupy_array
 from meta_dist.zero.memory import predict
-from meta_dist.zero.stages import broadcast_model
 
 LossFn = Callable[[Any, Any], tuple[Any, Any]]
-OPTIMIZER_KEYS = {"sgd": ("lr", "momentum", "nesterov", "weight_decay"),
-                  "adam": ("lr", "betas", "eps", "weight_decay"),
-                  "adamw": ("lr", "betas", "eps", "weight_decay")}
-
-
-def array_module_for(config: Config, context: dist.DistContext | None = None) -> Any:
-    """Return numpy or cupy for the configured device, selecting this rank's GPU for cupy.
-
-    ``device: auto`` means cuda when a GPU and CuPy are present on every rank, else cpu.
-    Collective for ``auto`` (the ranks agree). Raises RuntimeError for ``cuda`` without a GPU.
-    """
-    context = context or dist.get_context()
-    device = config.dist.device
-    if device == "auto":
-        device = "cuda" if all(context.connector.allgather(gpu_count() > 0)) else "cpu"
-    if device == "cpu":
-        return np
-    select_device(context.local_rank)  # raises with install advice when there is no GPU
-    import cupy
-
-    return cupy
-
-
-def working_dtype(precision: str, dtype: np.dtype) -> np.dtype:
-    """Return the dtype the layers compute in: ``dtype`` for fp32, else float16 or bfloat16.
-
-    numpy has no bfloat16; ml_dtypes supplies the one CuPy 14 uses as well.
-
-    Raises:
-        RuntimeError: bf16 without ml_dtypes installed.
-    """
-    if precision == "fp32":
-        return dtype
-    if precision == "fp16":
-        return np.dtype(np.float16)
-    try:
-        import ml_dtypes
-    except ImportError as error:
-        raise RuntimeError(
-            "precision bf16 needs the ml_dtypes package (numpy has no bfloat16); got "
-            f"ImportError: {error}; pip install ml_dtypes, or use precision: fp16 or fp32"
-        ) from None
-    return np.dtype(ml_dtypes.bfloat16)
-
-
-def resolve_overlap(setting: bool | None, xp: Any, context: dist.DistContext) -> bool:
-    """Return whether buckets are reduced on a communication thread (overlap_comm).
-
-    ``None`` decides: yes on a GPU, and on the CPU when every rank has a core to spare for the
-    thread (this rank's affinity holds two cores or more, and the node has at least two per
-    rank). Collective for ``None``: the ranks must agree, since the choice shapes the buckets.
-    """
-    if setting is not None:
-        return setting
-    if xp is not np:
-        spare = True
-    else:
-        affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        spare = affinity >= 2 and (os.cpu_count() or 1) >= 2 * context.local_size
-    return all(context.connector.allgather(spare))
 
 
 class Trainer:
@@ -142,7 +80,9 @@ class Trainer:
             self.log.write(self.context.device_route(self.comm) + "\n")
         self.overlap = resolve_overlap(config.dist.overlap_comm, self.xp, self.context)
         self.memory = PeakMeter(self.xp)  # a GPU's pool peak counts from the first meter
-        self.stage = self._make_stage(STAGES[config.dist.zero_opt_level])
+        self.stage = make_stage(model, config, self.context, self.comm, xp=self.xp,
+                                overlap=self.overlap)
+        self.work_dtype = self.stage.flat.dtype  # the layers compute in it (working_dtype)
         self.stage.attach()
         tcfg, dcfg = config.train, config.dist
         self.scaler = None if tcfg.precision != "fp16" else LossScaler(
@@ -165,58 +105,15 @@ class Trainer:
         array; at levels 0-2 the values are views of the live parameters.
         """
         full = self.stage.full_params()
-        return {self._name(slot): self.stage.flat.view(full, slot)
+        return {param_name(self.model, slot): self.stage.flat.view(full, slot)
                 for slot in self.stage.flat.slots}
 
     def _param_at(self, offset: int) -> str:
         """Return the name of the parameter at flat ``offset`` (``i.Layer.name``)."""
         for slot in self.stage.flat.slots:
             if slot.offset <= offset < slot.offset + slot.numel:
-                return self._name(slot)
+                return param_name(self.model, slot)
         return "padding"
-
-    def _make_stage(self, stage_cls: type[ZeroStage]) -> ZeroStage:
-        dcfg, tcfg = self.config.dist, self.config.train
-        dtype = np.dtype(tcfg.dtype)
-        self.work_dtype = working_dtype(tcfg.precision, dtype)
-        cap = max(1, int(dcfg.bucket_size_mb * 2**20) // self.work_dtype.itemsize)
-        size = stage_cls.bucket_numel(cap, sum(self.model.layer_numels()), self.overlap)
-        flat = FlatModel(self.model, size, self.context.size, self.xp, self.work_dtype,
-                         master_dtype=dtype, isolate_cut_layers=stage_cls.gathers_params,
-                         materialize=not stage_cls.gathers_params)  # level 3 keeps shards only
-        self._one_model(flat)
-        hyper = {k: getattr(tcfg, k) for k in OPTIMIZER_KEYS[tcfg.optimizer]}
-
-        def new_optimizer(numel: int) -> Any:
-            return make_optimizer(tcfg.optimizer, numel, xp=self.xp, dtype=dtype, **hyper)
-
-        stage = stage_cls(flat, self.comm, new_optimizer, overlap=self.overlap,
-                          accumulate=tcfg.grad_accum_steps,
-                          reshard_after_forward=dcfg.reshard_after_forward)
-        if not tcfg.decay_biases_and_norms:  # matrices decay; biases and norm weights do not
-            stage.optimizer.set_decay_spans(stage.optimizer_spans(lambda s: len(s.shape) >= 2))
-        return stage
-
-    def _one_model(self, flat: FlatModel) -> None:
-        """Give every rank rank 0's parameters and buffers, as DDP and DeepSpeed do on wrapping.
-
-        A per-rank seed (the commonest slip in a hand-written MPI script) would otherwise train
-        a different replica on each rank, and ZeRO would stitch shards of different models.
-        """
-        deferred = [p for layer in self.model.layers for p in layer.params.values()
-                    if isinstance(p, DeferredValues)]  # a recipe each: send the root's
-        recipes = self.context.connector.broadcast([p.recipe for p in deferred],
-                                                   self.context.root_rank)
-        for values, recipe in zip(deferred, recipes, strict=True):
-            values.adopt(recipe)
-        broadcast_model(flat, self.comm, self.context.root_rank)
-        self._broadcast_buffers()
-
-    def _broadcast_buffers(self) -> None:
-        """Give every rank the root's buffers (BatchNorm's running statistics). Collective."""
-        buffers = list(self._buffers().values())
-        if buffers:
-            self.comm.broadcast(buffers, self.context.root_rank, out=buffers)
 
     def train_step(self, x: Any, y: Any, where: str | None = None) -> Any:
         """Run one optimizer step on this rank's part of a global batch; return its mean loss.
@@ -320,18 +217,7 @@ class Trainer:
                 f"fit: train_config.warmup_steps is longer than the run (set in {where}); got "
                 f"warmup_steps={tcfg.warmup_steps}, expected at most {self.total_steps} "
                 f"({run}); shorten the warmup or train longer")
-        first_epoch, skip = 0, 0
-        if tcfg.resume_from is not None:
-            path = tcfg.checkpoint_dir if tcfg.resume_from == "latest" else tcfg.resume_from
-            try:
-                first_epoch, skip = self.load_checkpoint(path)
-            except checkpoint.CheckpointError as error:  # say which key led there
-                where = self.config.sources.get("train_config.resume_from", "code")
-                raise checkpoint.CheckpointError(
-                    f"train_config.resume_from {tcfg.resume_from!r} (set in {where}): {error}"
-                ) from error
-            if skip >= sampler.steps_per_epoch:  # saved at an epoch's end: the next one
-                first_epoch, skip = first_epoch + 1, 0
+        first_epoch, skip = checkpointing.resume(self, sampler.steps_per_epoch)
         self.model.train()
         self.signals = StopSignals()
         self._evaluate = evaluate
@@ -409,9 +295,7 @@ class Trainer:
         """
         tcfg = self.config.train
         if tcfg.checkpoint_dir and saved is None:  # this step's, unless it was just written
-            done = Path(tcfg.checkpoint_dir) / checkpoint.step_name(self.steps_done)
-            agreed = all(self.context.connector.allgather((done / checkpoint.MANIFEST).is_file()))
-            saved = done if agreed else self.save_checkpoint(tcfg.checkpoint_dir)
+            saved = checkpointing.save_once(self, tcfg.checkpoint_dir)
         caught = [n for n in self.context.connector.allgather(self.signals.received) if n]
         number = caught[0] if caught else signal.SIGTERM
         self._print(f"stopped by {signal.Signals(number).name} after step {self.steps_done}"
@@ -428,40 +312,7 @@ class Trainer:
         Every rank writes its shard at once; the checkpoint appears (``step-N``) only when
         all have, and ``latest`` then names it. See ``meta_dist.checkpoint``.
         """
-        root = Path(path)
-        tmp = root / f"{checkpoint.TMP_PREFIX}{self.steps_done:08d}"
-        sums = checkpoint.save_shard(tmp, self.context.rank, self.stage.export_shard())
-        buffers = self._buffers()
-        if buffers and self.context.rank == self.context.root_rank:  # rank 0's, as DDP keeps
-            sums.update(checkpoint.save_buffers(tmp, {n: to_numpy(b) for n, b in buffers.items()}))
-        everyone = self.context.connector.allgather((sums, self.stage.shard_ranges()))
-        final = root / checkpoint.step_name(self.steps_done)
-        if self.context.rank == self.context.root_rank:
-            checkpoint.commit(tmp, self._manifest(everyone), self.config.train.keep_last)
-        self.context.connector.barrier()  # nobody goes on before the checkpoint exists
-        return final
-
-    def _manifest(self, everyone: list[tuple[dict[str, str], list[tuple[int, int]]]]) -> dict:
-        opt = self.stage.optimizer
-        epoch, step = self.position
-        return {
-            "format": checkpoint.FORMAT, "step": self.steps_done, "epoch": epoch,
-            "epoch_step": step, "world_size": self.context.size,
-            "zero_opt_level": self.config.dist.zero_opt_level,
-            "precision": self.config.train.precision,
-            "params": [{"name": self._name(slot), "shape": list(slot.shape),
-                        "dtype": str(np.dtype(self.config.train.dtype)), "offset": slot.offset,
-                        "numel": slot.numel} for slot in self.stage.flat.slots],
-            "shards": [ranges for _, ranges in everyone],
-            "optimizer": {"name": opt.name, "hyperparameters": _plain(opt.hyperparameters),
-                          "step_count": opt.step_count, "state": sorted(opt.state)},
-            "buffers": [{"name": n, "shape": list(b.shape), "dtype": str(b.dtype)}
-                        for n, b in self._buffers().items()],
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "schedule": {"steps_done": self.steps_done, "total_steps": self.total_steps},
-            "config": self.config.as_dicts(),
-            "checksums": {name: digest for sums, _ in everyone for name, digest in sums.items()},
-        }
+        return checkpointing.save(self, path)
 
     def load_checkpoint(self, path: str | Path) -> tuple[int, int]:
         """Continue from a checkpoint (or a checkpoint_dir's latest); return (epoch, step).
@@ -471,82 +322,8 @@ class Trainer:
         same CheckpointError (naming the file and what differs) before any value changes.
         Collective.
         """
-        problem, reader = None, None
-        try:
-            reader = checkpoint.Reader(path, verify=False)
-            checkpoint.check_same_model(reader, {self._name(s): s.shape
-                                                 for s in self.stage.flat.slots})
-            saved = reader.manifest["optimizer"]
-            if saved["name"] != self.stage.optimizer.name or set(saved["state"]) != set(
-                    self.stage.optimizer.state):
-                raise checkpoint.CheckpointError(
-                    f"checkpoint: {reader.path} was saved with optimizer {saved['name']} "
-                    f"(state {', '.join(saved['state']) or 'none'}); this run uses "
-                    f"{self.stage.optimizer.name} (state "
-                    f"{', '.join(sorted(self.stage.optimizer.state)) or 'none'}); expected the "
-                    "same optimizer: set optimizer (and momentum) as the saved run did")
-            files = reader.files()
-            for rank, what in files:  # every file there and readable, on every rank
-                reader.open(rank, what)
-            me, size = self.context.rank, self.context.size
-            for rank, what in files[me::size]:  # each checksum read once, shared out
-                reader.check(rank, what)
-            buffers = reader.buffers() if me == self.context.root_rank else None
-            self._check_buffers(reader, buffers)
-        except checkpoint.CheckpointError as error:
-            problem = str(error)
-        problems = [p for p in self.context.connector.allgather(problem) if p]
-        if problems:
-            raise checkpoint.CheckpointError(problems[0])
-        names = {s: self._name(s) for s in self.stage.flat.slots}
-        self.stage.import_values(reader.read, names.__getitem__)
-        if self.context.rank == self.context.root_rank:  # it read and checked them
-            for name, array in self._buffers().items():
-                array[...] = self.xp.asarray(buffers[name])
-        self._broadcast_buffers()
-        m = reader.manifest
-        self.stage.optimizer.step_count = m["optimizer"]["step_count"]
-        if self.scaler is not None and m["scaler"] is not None:
-            self.scaler.load_state_dict(m["scaler"])
-        self.steps_done = m["step"]
-        self.position = (m["epoch"], m["epoch_step"])
-        self._report_resume(reader)
-        return m["epoch"], m["epoch_step"]
-
-    def _report_resume(self, reader: checkpoint.Reader) -> None:
-        m = reader.manifest
-        mine = self.config.as_dicts()
-        changed = [f"{section}.{key}: {m['config'][section].get(key)!r} -> {value!r}"
-                   for section, values in mine.items() for key, value in values.items()
-                   if m["config"].get(section, {}).get(key) != value and key != "resume_from"]
-        if m["world_size"] != self.context.size:
-            changed.append(f"world size: {m['world_size']} -> {self.context.size}")
-        self._print(f"resumed from {reader.path} at epoch {m['epoch'] + 1} step "
-                    f"{m['epoch_step']}" + (f" (changed: {'; '.join(changed)})" if changed else ""))
-
-    def _buffers(self) -> dict[str, Any]:
-        """Return the model's buffers (BatchNorm's running statistics) by name, live arrays."""
-        return {f"{i}.{type(layer).__name__}.{name}": getattr(layer, name)
-                for i, layer in enumerate(self.model.layers) for name in layer.buffer_names}
-
-    def _check_buffers(self, reader: checkpoint.Reader, saved: dict[str, Any] | None) -> None:
-        """Raise CheckpointError unless the checkpoint's buffers are this model's (names, shapes).
-
-        ``saved``: the buffers as read (the root rank; None elsewhere, which checks the
-        manifest's list only).
-        """
-        mine = {n: tuple(b.shape) for n, b in self._buffers().items()}
-        listed = {b["name"]: tuple(b["shape"]) for b in reader.manifest.get("buffers", [])}
-        if saved is not None:
-            listed = {n: tuple(a.shape) for n, a in saved.items()}
-        if listed != mine and (listed or "buffers" in reader.manifest):
-            raise checkpoint.CheckpointError(
-                f"checkpoint: {reader.path} holds buffers {sorted(listed.items())}; this model "
-                f"has {sorted(mine.items())}; expected the same (BatchNorm layers): build the "
-                "model the checkpoint was saved from")
-
-    def _name(self, slot: Any) -> str:
-        return f"{slot.layer}.{type(self.model.layers[slot.layer]).__name__}.{slot.name}"
+        self._print(checkpointing.load(self, path))  # it sets steps_done and position
+        return self.position
 
     def _progress(self, epoch: int, step: int, ran: int, sampler: DistributedSampler,
                   start: float, total: Any) -> None:
@@ -571,11 +348,9 @@ class Trainer:
         return {**self.stage.memory_report(), "peak": self.memory.peak()}
 
     def predicted_memory(self) -> dict[str, int]:
-        """Bytes of params, grads, optimizer state and buffers this rank should hold, from
-        the partition plan and DESIGN.md's formulas (``zero.memory.predict``)."""
+        """Bytes of params, grads, optimizer state and buffers this rank should hold.
+
+        From the partition plan and DESIGN.md's formulas (``zero.memory.predict``).
+        """
         return predict(self.stage)
 
-
-def _plain(values: dict[str, Any]) -> dict[str, Any]:
-    """Return hyperparameters as JSON can hold them (tuples as lists)."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}

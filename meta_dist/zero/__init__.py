@@ -3,6 +3,7 @@
 Imports meta_dist.comm (the Communicator interface), meta_dist.nn and meta_dist.optim.
 ``partition`` is the plan (pure maths), ``flat`` binds a model to flat buffers, and ``stages``
 (and ``stage3``) hold one class per ZeRO level; the whole difference between the levels lives there.
+``staging`` (the staging buffers) and ``shards`` (owned elements to checkpoints) serve every level.
 """
 
 from meta_dist.zero.flat import FlatModel

@@ -1,7 +1,8 @@
 """FlatModel: a model whose parameters are views into one flat buffer laid out by the plan.
 
-Imports meta_dist.nn (the model and GradBlocks) and meta_dist.zero.partition. Optimizers and
-ZeRO stages then work on slices of one 1-D array and never walk layers.
+Imports meta_dist.nn (the model and GradBlocks) and meta_dist.zero.partition (meta_dist.comm.base
+for type hints only). Optimizers and ZeRO stages then work on slices of one 1-D array and never
+walk layers; ``broadcast_model`` gives every rank the root's values before a stage shards them.
 
 Tied parameters (one array held by two layers, as a GPT's token embedding and its output
 head): the first layer that holds it owns its one slot (one parameter, in one shard, at every
@@ -14,12 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meta_dist.nn.grad_blocks import GradBlocks
 from meta_dist.nn.init import DeferredValues
 from meta_dist.nn.model import Sequential
 from meta_dist.zero.partition import Bucket, Slot, plan
+
+if TYPE_CHECKING:  # the interface only; importing comm would start MPI
+    from meta_dist.comm.base import Communicator
 
 
 class FlatModel:
@@ -208,9 +212,30 @@ class LayerValues:
         layers = self.flat.model.layers
         for slot, lo, hi in self._pieces(part):
             if isinstance(layers[slot.layer].params[slot.name], DeferredValues):
-                continue  # a recipe: every rank holds the root's already (Trainer._one_model)
+                continue  # a recipe: every rank holds the root's already (train.build.share_model)
             target = layers[slot.layer].params[slot.name].reshape(-1)  # a view: contiguous
             target[lo - slot.offset : hi - slot.offset] = values[lo - part.start : hi - part.start]
+
+
+def broadcast_model(flat: FlatModel, comm: Communicator, root: int = 0) -> None:
+    """Give every rank ``root``'s parameters: one in-place broadcast per bucket. Collective.
+
+    Under mixed precision the fp32 master is broadcast, and the working copy made from it;
+    call this before a stage takes its shard of the master. Parameters still deferred
+    (``nn.init``; level 3) are recipes, not values: the caller gives every rank the root's
+    recipes first (``train.build.share_model``), and their elements go as zeros here.
+    """
+    params = flat.flat_params if flat.master is None else flat.master
+    if isinstance(params, LayerValues):  # no flat copy (level 3): through the layers' arrays
+        for bucket in flat.buckets:
+            values = params.drawn(bucket.whole)
+            comm.broadcast(values, root, out=values)
+            params[bucket.whole] = values
+        return  # the working values are read from the same arrays
+    for bucket in flat.buckets:
+        comm.broadcast(params[bucket.whole], root, out=params[bucket.whole])
+    if flat.master is not None:
+        flat.flat_params[...] = flat.master
 
 
 @dataclass(frozen=True)

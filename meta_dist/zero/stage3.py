@@ -91,7 +91,7 @@ class ZeroStage3(ZeroStage2):
         self._unbind()
 
     def import_values(self, read: Any, name_of: Any) -> None:
-        """See ``ZeroStage.import_values``; what the buffers gathered before is stale now."""
+        """See ``OwnedLayout.import_values``; what the buffers gathered before is stale now."""
         super().import_values(read, name_of)
         self._after_update()
 

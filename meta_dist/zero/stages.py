@@ -1,13 +1,15 @@
 """ZeroStage0..2: one class per ZeRO level, in order of increasing sharding (3: stage3.py).
 
-Imports meta_dist.optim and meta_dist.zero.flat (meta_dist.comm.base for type hints only).
-A stage owns the gradient buffers, the fp32 master copy under mixed precision, and the
-optimizer. Per optimizer step the trainer runs ``begin_micro`` and backward once per
-micro-batch (the stage's hooks handle each bucket as soon as backward has written all of it:
-accumulate it locally, or on the last micro-batch reduce it), then ``step()``. Gradients are
-averaged across ranks in exactly one place: the collectives' op "avg"
-(``Communicator._average``); over micro-batches, loss scale and clipping in one factor handed
-to the optimizer. The trainer never branches on the level.
+Imports meta_dist.optim and meta_dist.zero (meta_dist.comm.base for type hints only); imported
+by meta_dist.zero (STAGES) and zero.stage3. A stage owns the gradient buffers (and a
+StagingPool, zero.staging, for what backward writes elsewhere), the fp32 master copy under
+mixed precision, and the optimizer; its OwnedLayout (zero.shards) maps what it owns to the
+optimizer's decay spans and to checkpoints. Per optimizer step the trainer runs
+``begin_micro`` and backward once per micro-batch (the stage's hooks handle each bucket as soon
+as backward has written all of it: accumulate it locally, or on the last micro-batch reduce
+it), then ``step()``. Gradients are averaged across ranks in exactly one place: the
+collectives' op "avg" (``Communicator._average``); over micro-batches, loss scale and clipping
+in one factor handed to the optimizer. The trainer never branches on the level.
 
 Bytes held per rank, Ψ parameters, N ranks, Adam: fp32 (4Ψ params, 4Ψ grads, 8Ψ moments):
 level 0: 16Ψ;  level 1: 8Ψ + 8Ψ/N;  level 2: 4Ψ + 12Ψ/N. Mixed precision (2Ψ working params,
@@ -18,14 +20,14 @@ accumulation a full local gradient while the micro-batches add up.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from meta_dist.optim import Optimizer
-from meta_dist.xp import to_numpy
-from meta_dist.zero.flat import FlatModel, LayerValues
-from meta_dist.zero.partition import Bucket, Slot, bucket_numel
+from meta_dist.zero.flat import FlatModel
+from meta_dist.zero.partition import Bucket, bucket_numel
+from meta_dist.zero.shards import OwnedLayout
+from meta_dist.zero.staging import StagingPool
 
 if TYPE_CHECKING:  # the interface only; importing comm would start MPI
     from meta_dist.comm.base import Communicator, Handle
@@ -33,7 +35,7 @@ if TYPE_CHECKING:  # the interface only; importing comm would start MPI
 OptimizerFactory = Callable[[int], Optimizer]
 
 
-class ZeroStage:
+class ZeroStage(OwnedLayout):
     """Base: a full gradient buffer, each bucket reduced once backward has written all of it.
 
     Backward writes gradients at ever lower flat offsets (``zero.partition``), so a bucket is
@@ -69,7 +71,8 @@ class ZeroStage:
         self._next = len(flat.buckets) - 1  # the highest bucket not yet complete
         self._micro, self._direct = 0, True
         self.flat_grads = self._make_grads()
-        self._make_staging()
+        self._staging = StagingPool(flat, self._staging_buffers(),
+                                    self._grad_shard if self._staging_is_shard() else None)
         owned = self.owned_slices()
         # under mixed precision the optimizer updates an fp32 copy of what this rank owns
         self.master = None if flat.master is None else [flat.master[s].copy() for s in owned]
@@ -81,21 +84,6 @@ class ZeroStage:
     def owned_slices(self) -> list[slice]:
         """The parts of the flat buffer this rank updates (level 0: all of it)."""
         return [slice(0, self.flat.flat_params.size)]
-
-    def optimizer_spans(self, picked: Callable[[Slot], bool]) -> list[tuple[int, int]]:
-        """Return where the parameters ``picked`` chooses lie in this rank's optimizer range.
-
-        The optimizer sees the owned slices end to end; this maps each picked slot's flat
-        elements into that range (for ``Optimizer.set_decay_spans``).
-        """
-        spans, at = [], 0
-        for owned in self.owned_slices():
-            for slot in self.flat.slots:
-                lo, hi = max(owned.start, slot.offset), min(owned.stop, slot.offset + slot.numel)
-                if lo < hi and picked(slot):
-                    spans.append((at + lo - owned.start, at + hi - owned.start))
-            at += owned.stop - owned.start
-        return spans
 
     def _make_grads(self) -> Any:
         return self.flat.xp.zeros(self.flat.flat_params.size, self.flat.dtype)
@@ -121,6 +109,16 @@ class ZeroStage:
         """Whether to double-buffer (staging, gathers): with overlap and more than one bucket,
         one buffer fills while the other is in flight."""
         return self.overlap and len(self.flat.buckets) > 1
+
+    def _staging_buffers(self) -> int:
+        """How many staging buffers: none when every backward writes straight into the grads."""
+        if self.accumulate == 1:
+            return 0
+        return 2 if self._two_buffers() else 1
+
+    def _staging_is_shard(self) -> bool:
+        """Whether the grad shard itself is the staging (``StagingPool``'s ``shard_of``)."""
+        return False
 
     def _reduce_bucket(self, bucket: Bucket) -> Handle | None:
         """Average one bucket's gradients across ranks (allreduce, in place)."""
@@ -180,12 +178,12 @@ class ZeroStage:
             if self._direct:
                 self.flat.bind_grads(layer, self.flat_grads)
             elif len(buckets) > 1:  # a layer across buckets writes them one block at a time
-                self.flat.bind_blocks(layer, self._block, self._written)
+                self.flat.bind_blocks(layer, self._staging.block, self._written)
 
     def _before_layer(self, layer: int) -> None:
         buckets = self.flat.layer_buckets.get(layer)
         if not self._direct and buckets and len(buckets) == 1:  # into that bucket's staging
-            self.flat.bind_grads(layer, self._staging_of(buckets[0]), buckets[0].start)
+            self.flat.bind_grads(layer, self._staging.of(buckets[0]), buckets[0].start)
 
     def _after_layer(self, layer: int) -> None:
         slots = self.flat.layer_slots.get(layer)
@@ -201,8 +199,8 @@ class ZeroStage:
 
     def _complete(self, bucket: Bucket) -> None:
         if not self._direct:
-            self._fold(bucket, self._staging_of(bucket))
-            self._release(bucket)
+            self._fold(bucket, self._staging.of(bucket))
+            self._staging.release(bucket)
         if self._micro == self.accumulate - 1 and self._streams_buckets():
             self._start_reduction(bucket)
 
@@ -214,61 +212,6 @@ class ZeroStage:
     def end_micro(self) -> None:
         """Finish a micro-batch's backward: complete any bucket it did not reach."""
         self._written(0)
-
-    # ------------------------------------------------------------ staging for later writes
-
-    def _staging_buffers(self) -> int:
-        """How many staging buffers: none when every backward writes straight into the grads."""
-        if self.accumulate == 1:
-            return 0
-        return 2 if self._two_buffers() else 1
-
-    def _make_staging(self) -> None:
-        """Create the staging pool (two with overlap: one fills while the other is reduced)."""
-        flat, xp = self.flat, self.flat.xp
-        count = self._staging_buffers()
-        largest = max(b.padded_size for b in flat.buckets)
-        self._staging = [xp.zeros(largest, flat.dtype) for _ in range(count)]
-        self._free = list(range(len(self._staging)))
-        self._busy: deque[tuple[Handle, int]] = deque()  # reductions reading a staging buffer
-        self._bound: dict[int, Any] = {}  # bucket index -> its staging for this backward
-        self._pads = {b.index: _padding(b, flat.slots) for b in flat.buckets}
-
-    def _staging_is_shard(self) -> bool:
-        return False
-
-    def _block(self, bucket: Bucket, slot: Slot, first: int, stop: int) -> Any:
-        begin = slot.offset + first * slot.row - bucket.start
-        return self._staging_of(bucket)[begin : begin + (stop - first) * slot.row].reshape(
-            (stop - first, *slot.shape[1:]))
-
-    def _staging_of(self, bucket: Bucket) -> Any:
-        """Return the bucket's staging buffer, taking a free one (or the next to free) first."""
-        staging = self._bound.get(bucket.index)
-        if staging is not None:
-            return staging
-        if self._staging_is_shard():  # one rank at level 2: the shard is the bucket
-            staging = self._grad_shard(bucket)
-        else:
-            if not self._free:  # every buffer in use: wait for the oldest reduction
-                handle, which = self._busy.popleft()
-                handle.wait()
-                self._free.append(which)
-            staging = self._staging[self._free.pop(0)]
-        for lo, hi in self._pads[bucket.index]:
-            staging[lo:hi] = 0  # padding has no gradients; the buffer held another bucket
-        self._bound[bucket.index] = staging
-        return staging
-
-    def _release(self, bucket: Bucket, handle: Handle | None = None) -> None:
-        """The bucket is done with its staging (once ``handle`` finishes, if one is given)."""
-        staging = self._bound.pop(bucket.index)
-        which = next((i for i, s in enumerate(self._staging) if s is staging), None)
-        if which is not None:
-            if handle is None:
-                self._free.append(which)
-            else:
-                self._busy.append((handle, which))
 
     # ------------------------------------------------------------ the update
 
@@ -302,85 +245,7 @@ class ZeroStage:
         for handle in self._pending:
             handle.wait()
         self._pending.clear()
-        while self._busy:
-            self._free.append(self._busy.popleft()[1])  # their handles were waited for
-
-    # ------------------------------------------------------------ checkpoints
-
-    def shard_ranges(self) -> list[tuple[int, int]]:
-        """This rank's shard of every bucket as flat ranges: what it writes to a checkpoint."""
-        return [(b.shard(self.rank).start, b.shard(self.rank).stop) for b in self.flat.buckets]
-
-    def export_shard(self) -> dict[str, list[Any]]:
-        """Return this rank's shard of the fp32 parameters and of every optimizer state array.
-
-        Each a list of host pieces (views where the data already is on the host), the rank's
-        shard of every bucket end to end (``shard_ranges``).
-        """
-        out = {"params": self._shard_pieces(self._owned_params())}
-        for key, state in self.optimizer.state.items():
-            out[key] = self._shard_pieces([state])
-        return out
-
-    def _shard_pieces(self, owned: list[Any]) -> list[Any]:
-        """Cut the shard ranges out of arrays laid out like ``owned_slices``."""
-        bounds, at = [], 0
-        for a in owned:
-            bounds.append((at, a.reshape(-1)))
-            at += a.size
-        pieces = []
-        for start, stop in self.shard_ranges():
-            first = self._owned_at(start)
-            for base, flat in bounds:  # a shard lies in one owned array (or one full one)
-                if base <= first < base + flat.size:
-                    pieces.append(to_numpy(flat[first - base : first - base + stop - start]))
-                    break
-        return pieces
-
-    def _owned_at(self, offset: int) -> int:
-        """Return where flat ``offset`` (inside an owned slice) lies in the owned layout."""
-        at = 0
-        for s in self.owned_slices():
-            if s.start <= offset < s.stop:
-                return at + offset - s.start
-            at += s.stop - s.start
-        raise ValueError(f"_owned_at: offset {offset} is not in this rank's owned slices")
-
-    def import_values(self, read: Callable[[str, str, int, int], Any],
-                      name_of: Callable[[Slot], str]) -> None:
-        """Fill the parameters and the optimizer state from a checkpoint, element by element.
-
-        Args:
-            read: ``read(what, name, first, stop)`` returns elements of a parameter's values
-                ("params") or optimizer state (its key) from the checkpoint.
-            name_of: the checkpoint's name of a slot's parameter.
-        """
-        xp, flat = self.flat.xp, self.flat
-        if flat.flat_params is not None:  # the whole working copy, where this rank holds it
-            for slot in flat.slots:
-                flat.view(flat.flat_params, slot)[...] = xp.asarray(
-                    read("params", name_of(slot), 0, slot.numel).reshape(slot.shape))
-        targets = [(key, [state]) for key, state in self.optimizer.state.items()]
-        if self.master is not None:
-            targets.append(("params", self.master))
-        if flat.flat_params is None:  # level 3: only the owned working copy
-            targets.append(("params", self._owned_working()))
-        for what, arrays in targets:
-            owned = xp.concatenate([a.reshape(-1) for a in arrays]) if len(arrays) > 1 \
-                else arrays[0].reshape(-1)
-            at = 0
-            for s in self.owned_slices():
-                for slot in flat.slots:
-                    lo, hi = max(s.start, slot.offset), min(s.stop, slot.offset + slot.numel)
-                    if lo < hi:
-                        owned[at + lo - s.start : at + hi - s.start] = xp.asarray(read(
-                            what, name_of(slot), lo - slot.offset, hi - slot.offset))
-                at += s.stop - s.start
-            if len(arrays) > 1:  # pieces of the master: copy back
-                start = 0
-                for a in arrays:
-                    a.reshape(-1)[...] = owned[start : start + a.size]
-                    start += a.size
+        self._staging.settle()  # their handles were waited for
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds: params (working + master), grads, optimizer state, buffers."""
@@ -390,7 +255,7 @@ class ZeroStage:
         return {"params": working + master,
                 "grads": int(self.flat_grads.nbytes),
                 "optimizer": int(self.optimizer.state_bytes()),
-                "buffers": int(sum(s.nbytes for s in self._staging))}
+                "buffers": self._staging.nbytes()}
 
 
 class ZeroStage0(ZeroStage):
@@ -494,7 +359,7 @@ class ZeroStage2(ZeroStage1):
         return True
 
     def _complete(self, bucket: Bucket) -> None:
-        staging = self._staging_of(bucket)[: bucket.padded_size]
+        staging = self._staging.of(bucket)[: bucket.padded_size]
         last = self._micro == self.accumulate - 1
         if self._local is not None:  # micro-batches add up in the local gradient
             local = self._local[bucket.whole]
@@ -505,52 +370,16 @@ class ZeroStage2(ZeroStage1):
             else:
                 local += staging
         if not last:
-            self._release(bucket)
+            self._staging.release(bucket)
             return
         handle = self._run("reduce_scatter", staging, "avg", out=self._grad_shard(bucket))
         if handle is not None:
             self._pending.append(handle)
-        self._release(bucket, handle)
+        self._staging.release(bucket, handle)
 
     def memory_report(self) -> dict[str, int]:
         """See ``ZeroStage.memory_report``; a local accumulation gradient counts as buffers."""
         report = super().memory_report()
         report["buffers"] += int(self._local.nbytes) if self._local is not None else 0
         return report
-
-
-def broadcast_model(flat: FlatModel, comm: Communicator, root: int = 0) -> None:
-    """Give every rank ``root``'s parameters: one in-place broadcast per bucket. Collective.
-
-    Under mixed precision the fp32 master is broadcast, and the working copy made from it;
-    call this before a stage takes its shard of the master. Parameters still deferred
-    (``nn.init``; level 3) are recipes, not values: the caller gives every rank the root's
-    recipes first (``Trainer._one_model``), and their elements go as zeros here.
-    """
-    params = flat.flat_params if flat.master is None else flat.master
-    if isinstance(params, LayerValues):  # no flat copy (level 3): through the layers' arrays
-        for bucket in flat.buckets:
-            values = params.drawn(bucket.whole)
-            comm.broadcast(values, root, out=values)
-            params[bucket.whole] = values
-        return  # the working values are read from the same arrays
-    for bucket in flat.buckets:
-        comm.broadcast(params[bucket.whole], root, out=params[bucket.whole])
-    if flat.master is not None:
-        flat.flat_params[...] = flat.master
-
-
-def _padding(bucket: Bucket, slots: list[Slot]) -> list[tuple[int, int]]:
-    """Return the bucket's padding as (lo, hi) ranges relative to its start."""
-    taken = sorted((max(s.offset, bucket.start), min(s.offset + s.numel, bucket.stop))
-                   for s in slots if s.offset < bucket.stop and bucket.start < s.offset + s.numel)
-    gaps, at = [], bucket.start
-    for lo, hi in taken:
-        if lo > at:
-            gaps.append((at - bucket.start, lo - bucket.start))
-        at = max(at, hi)
-    if at < bucket.stop:
-        gaps.append((at - bucket.start, bucket.stop - bucket.start))
-    return gaps
-
 

@@ -18,8 +18,10 @@ import numpy as np
 from meta_dist import distributed as dist
 from meta_dist.config import check_world, format_config, load_config, parse_cli
 from meta_dist.errors import UsageError
-from meta_dist.nn.layers import AvgPool2d, BatchNorm, Conv2d, Flatten, Linear, Sigmoid
+from meta_dist.nn.conv import AvgPool2d, Conv2d
+from meta_dist.nn.layers import Flatten, Linear, Sigmoid
 from meta_dist.nn.model import Sequential
+from meta_dist.nn.norm import BatchNorm
 from meta_dist.train import Trainer, array_module_for, load_npz, synthetic_classification
 from meta_dist.train.data import check_samples, held_out, load_digits
 from meta_dist.train.memory import HEADING, PeakMeter, format_memory

@@ -13,10 +13,12 @@ from meta_dist import MPIConnector, checkpoint
 from meta_dist.checkpoint import CheckpointError
 from meta_dist.config import load_config
 from meta_dist.distributed import DistContext
-from meta_dist.nn.layers import BatchNorm, Linear, Tanh
+from meta_dist.nn.layers import Linear, Tanh
 from meta_dist.nn.losses import softmax_cross_entropy
 from meta_dist.nn.model import Sequential
+from meta_dist.nn.norm import BatchNorm
 from meta_dist.train import Trainer
+from meta_dist.train.build import model_buffers
 
 STEPS, BATCH = 5, 60
 
@@ -118,11 +120,12 @@ def test_batchnorm_statistics_resume_as_rank_0_saved_them(world, shared_dir):
     x, y = data()
     first = bn_trainer(checkpoint_dir=shared_dir)
     first.fit(x, y)  # saved at the epoch's end
-    rank0 = world.connector.broadcast({n: np.array(b) for n, b in first._buffers().items()})
+    rank0 = world.connector.broadcast({n: np.array(b)
+                                       for n, b in model_buffers(first.model).items()})
     assert not np.allclose(rank0["1.BatchNorm.running_mean"], 0)  # it moved while training
     resumed = bn_trainer(resume_from=shared_dir)
     resumed.load_checkpoint(shared_dir)
-    for name, array in resumed._buffers().items():
+    for name, array in model_buffers(resumed.model).items():
         np.testing.assert_array_equal(array, rank0[name])
     manifest = json.loads((checkpoint.resolve(shared_dir) / "manifest.json").read_text())
     assert [b["name"] for b in manifest["buffers"]] == ["1.BatchNorm.running_mean",

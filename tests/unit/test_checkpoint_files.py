@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from meta_dist import checkpoint
-from meta_dist.checkpoint import Checksum, _checksum
+from meta_dist.checkpoint import Checksum
+from meta_dist.checkpoint.files import _checksum
 
 
 @pytest.fixture

@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 
+from meta_dist.nn.conv import Conv2d
+from meta_dist.nn.embedding import Embedding
 from meta_dist.nn.init import INIT_BLOCK, DeferredValues, deferred, draw
-from meta_dist.nn.layers import Conv2d, Linear
-from meta_dist.nn.transformer import Embedding
+from meta_dist.nn.layers import Linear
 
 
 @pytest.mark.parametrize("kind", ["uniform", "normal"])

@@ -1,4 +1,4 @@
-"""Unit tests for meta_dist.nn.layers: float64 finite differences and numpy reference formulas."""
+"""Unit tests for nn.layers, nn.conv and nn.norm: float64 finite differences, numpy references."""
 
 from __future__ import annotations
 
@@ -7,20 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from meta_dist.nn.layers import (
-    GELU,
-    AvgPool2d,
-    BatchNorm,
-    Conv2d,
-    Flatten,
-    Layer,
-    Linear,
-    LogSoftmax,
-    MaxPool2d,
-    ReLU,
-    Sigmoid,
-    Tanh,
-)
+from meta_dist.nn.conv import AvgPool2d, Conv2d, MaxPool2d
+from meta_dist.nn.layers import GELU, Flatten, Layer, Linear, LogSoftmax, ReLU, Sigmoid, Tanh
+from meta_dist.nn.norm import BatchNorm
 
 F64 = np.float64
 STEP = 1e-5

@@ -2,7 +2,8 @@
 
 import numpy as np
 
-from meta_dist.nn.layers import Conv2d, Flatten, Linear, ReLU
+from meta_dist.nn.conv import Conv2d
+from meta_dist.nn.layers import Flatten, Linear, ReLU
 from meta_dist.nn.model import Sequential
 
 

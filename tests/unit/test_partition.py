@@ -6,8 +6,10 @@ import random
 import numpy as np
 import pytest
 
-from meta_dist.nn.layers import BatchNorm, Conv2d, Linear, ReLU, Tanh
+from meta_dist.nn.conv import Conv2d
+from meta_dist.nn.layers import Linear, ReLU, Tanh
 from meta_dist.nn.model import Sequential
+from meta_dist.nn.norm import BatchNorm
 from meta_dist.zero import FlatModel, bucket_numel, padded_size, plan
 
 

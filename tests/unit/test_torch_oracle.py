@@ -24,6 +24,7 @@ from meta_dist.models.torch_gpt import (  # noqa: E402
     is_linear_weight,
     twin as torch_gpt_twin,
 )
+from meta_dist.nn import conv, dropout, embedding, norm  # noqa: E402
 from meta_dist.nn import layers as L  # noqa: E402
 from meta_dist.nn import transformer as T  # noqa: E402
 from meta_dist.nn.losses import (  # noqa: E402
@@ -123,31 +124,31 @@ LAYER_CASES = {
                       lambda: nn.Linear(4, 3, bias=False), (5, 4)),
     "linear_3d": (lambda d: L.Linear(4, 3, rng=RNG(0), dtype=d), lambda: nn.Linear(4, 3),
                   (2, 3, 4)),
-    "conv": (lambda d: L.Conv2d(2, 3, 3, rng=RNG(0), dtype=d), lambda: nn.Conv2d(2, 3, 3),
+    "conv": (lambda d: conv.Conv2d(2, 3, 3, rng=RNG(0), dtype=d), lambda: nn.Conv2d(2, 3, 3),
              (2, 2, 5, 5)),
     "conv_stride_pad": (
-        lambda d: L.Conv2d(2, 3, (3, 2), stride=(2, 1), padding=(1, 2), rng=RNG(0), dtype=d),
+        lambda d: conv.Conv2d(2, 3, (3, 2), stride=(2, 1), padding=(1, 2), rng=RNG(0), dtype=d),
         lambda: nn.Conv2d(2, 3, (3, 2), stride=(2, 1), padding=(1, 2)), (2, 2, 6, 5)),
-    "conv_nobias": (lambda d: L.Conv2d(2, 2, 2, bias=False, rng=RNG(0), dtype=d),
+    "conv_nobias": (lambda d: conv.Conv2d(2, 2, 2, bias=False, rng=RNG(0), dtype=d),
                     lambda: nn.Conv2d(2, 2, 2, bias=False), (1, 2, 4, 4)),
-    "batchnorm_2d": (lambda d: L.BatchNorm(3, dtype=d), lambda: nn.BatchNorm1d(3), (6, 3)),
-    "batchnorm_4d": (lambda d: L.BatchNorm(2, dtype=d), lambda: nn.BatchNorm2d(2), (3, 2, 3, 2)),
+    "batchnorm_2d": (lambda d: norm.BatchNorm(3, dtype=d), lambda: nn.BatchNorm1d(3), (6, 3)),
+    "batchnorm_4d": (lambda d: norm.BatchNorm(2, dtype=d), lambda: nn.BatchNorm2d(2), (3, 2, 3, 2)),
     "relu": (lambda d: L.ReLU(), nn.ReLU, (4, 5)),
     "sigmoid": (lambda d: L.Sigmoid(), nn.Sigmoid, (4, 5)),
     "tanh": (lambda d: L.Tanh(), nn.Tanh, (4, 5)),
     "gelu_tanh": (lambda d: L.GELU(), lambda: nn.GELU(approximate="tanh"), (4, 5)),
-    "avgpool": (lambda d: L.AvgPool2d(2), lambda: nn.AvgPool2d(2), (2, 2, 4, 5)),
-    "avgpool_overlap": (lambda d: L.AvgPool2d(3, stride=1), lambda: nn.AvgPool2d(3, stride=1),
+    "avgpool": (lambda d: conv.AvgPool2d(2), lambda: nn.AvgPool2d(2), (2, 2, 4, 5)),
+    "avgpool_overlap": (lambda d: conv.AvgPool2d(3, stride=1), lambda: nn.AvgPool2d(3, stride=1),
                         (2, 2, 5, 4)),
-    "maxpool": (lambda d: L.MaxPool2d(2), lambda: nn.MaxPool2d(2), (2, 2, 4, 5)),
-    "maxpool_overlap": (lambda d: L.MaxPool2d(3, stride=2), lambda: nn.MaxPool2d(3, stride=2),
+    "maxpool": (lambda d: conv.MaxPool2d(2), lambda: nn.MaxPool2d(2), (2, 2, 4, 5)),
+    "maxpool_overlap": (lambda d: conv.MaxPool2d(3, stride=2), lambda: nn.MaxPool2d(3, stride=2),
                         (2, 2, 7, 6)),
     "flatten": (lambda d: L.Flatten(), nn.Flatten, (2, 3, 2, 2)),
     "logsoftmax": (lambda d: L.LogSoftmax(), lambda: nn.LogSoftmax(dim=1), (4, 6)),
     "logsoftmax_4d": (lambda d: L.LogSoftmax(), lambda: nn.LogSoftmax(dim=1), (2, 3, 2, 2)),
     # transformer layers
-    "layernorm": (lambda d: T.LayerNorm(6, dtype=d), lambda: nn.LayerNorm(6), (2, 3, 6)),
-    "layernorm_eps": (lambda d: T.LayerNorm(5, eps=1e-2, dtype=d),
+    "layernorm": (lambda d: norm.LayerNorm(6, dtype=d), lambda: nn.LayerNorm(6), (2, 3, 6)),
+    "layernorm_eps": (lambda d: norm.LayerNorm(5, eps=1e-2, dtype=d),
                       lambda: nn.LayerNorm(5, eps=1e-2), (4, 5)),
     "attention_core": (lambda d: T.CausalScaledDotProduct(8, 2), lambda: TorchSDPA(2),
                        (2, 5, 24)),
@@ -178,7 +179,7 @@ def test_batchnorm_running_stats_and_eval_match_torch(shape, dtype):
     # meta_dist's momentum is PyTorch's convention (weight of the NEW batch: running =
     # (1 - m) * running + m * batch, with the unbiased batch variance), not Keras' (weight of
     # the old value); a momentum of 0.3 would read 0.7 in Keras.
-    layer = L.BatchNorm(3, momentum=0.3, dtype=dtype)
+    layer = norm.BatchNorm(3, momentum=0.3, dtype=dtype)
     module = (nn.BatchNorm1d if len(shape) == 2 else nn.BatchNorm2d)(3, momentum=0.3)
     module = module.to(TORCH_DTYPE[dtype])
     for seed in range(3):
@@ -203,7 +204,7 @@ def test_gelu_is_the_tanh_form():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
 def test_embedding_matches_torch(dtype):
-    layer = T.Embedding(7, 4, rng=RNG(0), dtype=dtype)
+    layer = embedding.Embedding(7, 4, rng=RNG(0), dtype=dtype)
     ids = np.array([[0, 3, 3, 6], [6, 1, 3, 0]])  # repeated ids: the gradient rows add up
     compare_layer(layer, nn.Embedding(7, 4), ids, dtype)
 
@@ -217,14 +218,14 @@ def test_token_and_position_matches_torch(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
 def test_tied_head_matches_torch(dtype):
-    embedding = T.Embedding(9, 4, rng=RNG(0), dtype=dtype)
-    head = T.TiedHead(embedding)
-    assert head.params["weight"] is embedding.params["weight"]
-    assert head.grads["weight"] is not embedding.grads["weight"]
+    table = embedding.Embedding(9, 4, rng=RNG(0), dtype=dtype)
+    head = T.TiedHead(table)
+    assert head.params["weight"] is table.params["weight"]
+    assert head.grads["weight"] is not table.grads["weight"]
     # the head's weight is (vocab, width) like torch's Linear(width, vocab): no transpose
     compare_layer(head, TorchTiedHead(9, 4), floats((2, 3, 4), dtype), dtype,
                   transposed=lambda name: False)
-    assert not embedding.grads["weight"].any()  # the head wrote only its own grads
+    assert not table.grads["weight"].any()  # the head wrote only its own grads
 
 
 def test_dropout_scaling_and_eval_match_torch():
@@ -232,7 +233,7 @@ def test_dropout_scaling_and_eval_match_torch():
     # RNG, so they differ from torch's on purpose; the convention is the same: inverted
     # dropout (kept elements scaled by 1/(1-p)), identity in eval mode.
     p, x = 0.3, floats((200, 50), np.float64)
-    layer = T.Dropout(p, seed=5)
+    layer = dropout.Dropout(p, seed=5)
     out = layer.forward(x)
     out_t = F.dropout(torch.from_numpy(x), p, training=True).numpy()
     for y in (out, out_t):

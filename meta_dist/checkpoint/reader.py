@@ -1,0 +1,164 @@
+"""Reading a checkpoint by parameter name, whatever shards it was cut into; checking its model.
+
+Imports numpy and files.py; cli.py and the package's ``__init__`` (which the trainer uses)
+import it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from meta_dist.checkpoint.files import (
+    BUFFERS,
+    FORMAT,
+    MANIFEST,
+    CheckpointError,
+    _checksum,
+    resolve,
+    shard_file,
+)
+
+
+class Reader:
+    """Read any element of a checkpoint by parameter name, whatever shards it was cut into.
+
+    Files are memory-mapped, so a reader touches only what it is asked for, and (``verify``)
+    checked against their checksums when first opened.
+
+    Args:
+        path: a checkpoint directory (see ``resolve``).
+        verify: check each file's checksum when first opened; without it, ``check`` does
+            (the trainer shares the files out among its ranks: each is read once).
+    """
+
+    def __init__(self, path: str | Path, verify: bool = True) -> None:
+        self.path, self.verify = resolve(path), verify
+        try:
+            self.manifest = json.loads((self.path / MANIFEST).read_text())
+        except (OSError, ValueError) as error:
+            raise CheckpointError(f"checkpoint: {self.path / MANIFEST} is not readable JSON "
+                                  f"({error}); expected the manifest a save wrote") from None
+        if self.manifest.get("format") != FORMAT:
+            raise CheckpointError(f"checkpoint: {self.path / MANIFEST} has format "
+                                  f"{self.manifest.get('format')!r}; expected {FORMAT}")
+        self.params = {p["name"]: p for p in self.manifest["params"]}
+        self._files: dict[tuple[int, str], np.ndarray] = {}
+        self._checked: set[tuple[int, str]] = set()
+        # per parameter: (first element, end, rank, offset in that rank's files), by element
+        self._pieces: dict[str, list[tuple[int, int, int, int]]] = {n: [] for n in self.params}
+        for rank, ranges in enumerate(self.manifest["shards"]):
+            at = 0
+            for start, stop in ranges:
+                for p in self.params.values():
+                    lo, hi = max(start, p["offset"]), min(stop, p["offset"] + p["numel"])
+                    if lo < hi:
+                        self._pieces[p["name"]].append(
+                            (lo - p["offset"], hi - p["offset"], rank, at + lo - start))
+                at += stop - start
+
+    def read(self, what: str, name: str, first: int = 0, stop: int | None = None) -> np.ndarray:
+        """Return elements ``[first, stop)`` of parameter ``name``'s ``what`` (flat).
+
+        ``what`` is "params" or an optimizer state key ("exp_avg", ...).
+        """
+        p = self.params[name]
+        stop = p["numel"] if stop is None else stop
+        out = np.empty(stop - first, np.dtype(p["dtype"]))
+        for lo, hi, rank, at in self._pieces[name]:
+            a, b = max(lo, first), min(hi, stop)
+            if a < b:
+                out[a - first : b - first] = self._file(rank, what)[at + a - lo : at + b - lo]
+        return out
+
+    def whole(self, what: str, name: str) -> np.ndarray:
+        """Return parameter ``name``'s ``what`` in its shape."""
+        return self.read(what, name).reshape(self.params[name]["shape"])
+
+    def files(self) -> list[tuple[int, str]]:
+        """Return every (rank, what) the checkpoint holds a file for."""
+        whats = ["params", *self.manifest["optimizer"]["state"]]
+        return [(rank, what) for what in whats for rank in range(len(self.manifest["shards"]))]
+
+    def check(self, rank: int, what: str) -> None:
+        """Open rank ``rank``'s file ``what`` and compare it with its checksum now.
+
+        Raises:
+            CheckpointError: the file is missing, unreadable or does not match its checksum.
+        """
+        array = self.open(rank, what)
+        path = shard_file(self.path, rank, what)
+        want = self.manifest["checksums"].get(path.name)
+        if want is not None and _checksum(array, want.split(":")[0]) != want:
+            raise CheckpointError(f"checkpoint: {path} does not match its checksum; it is "
+                                  "corrupt or was changed after the save: use another "
+                                  "checkpoint (the previous one is kept, keep_last)")
+        self._checked.add((rank, what))
+
+    def buffers(self) -> dict[str, np.ndarray]:
+        """Return the saved buffers ({name: array}; empty for a model without any), checked."""
+        if not self.manifest.get("buffers"):
+            return {}
+        path = self.path / BUFFERS
+        try:
+            with np.load(path, allow_pickle=False) as saved:
+                arrays = {name: saved[name] for name in saved.files}
+        except (ValueError, OSError, KeyError) as error:
+            raise CheckpointError(f"checkpoint: {path} is not a readable .npz file ({error}); "
+                                  "it is truncated or corrupt") from None
+        for name, a in arrays.items():
+            want = self.manifest["checksums"].get(f"{BUFFERS}/{name}")
+            if want is not None and _checksum(a, want.split(":")[0]) != want:
+                raise CheckpointError(f"checkpoint: {path} ({name}) does not match its "
+                                      "checksum; it is corrupt or was changed after the save")
+        return arrays
+
+    def open(self, rank: int, what: str) -> np.ndarray:
+        """Memory-map rank ``rank``'s file ``what`` (its header read; no checksum).
+
+        Raises:
+            CheckpointError: the file is missing or not a readable .npy file.
+        """
+        key = (rank, what)
+        if key not in self._files:
+            path = shard_file(self.path, rank, what)
+            if not path.is_file():
+                raise CheckpointError(f"checkpoint: {path} is missing; expected every rank's "
+                                      f"files ({len(self.manifest['shards'])} ranks wrote one "
+                                      f"each): copy the whole checkpoint directory")
+            try:
+                self._files[key] = np.load(path, mmap_mode="r", allow_pickle=False)
+            except (ValueError, OSError) as error:
+                if "Python objects" in str(error) or "Object arrays" in str(error):
+                    raise CheckpointError(
+                        f"checkpoint: {path} holds Python objects (a pickle), which no save "
+                        "writes and meta_dist never loads (unpickling could run code); use a "
+                        "checkpoint meta_dist wrote") from None
+                raise CheckpointError(f"checkpoint: {path} is not a readable .npy file "
+                                      f"({error}); it is truncated or corrupt") from None
+        return self._files[key]
+
+    def _file(self, rank: int, what: str) -> np.ndarray:
+        if self.verify and (rank, what) not in self._checked:
+            self.check(rank, what)
+        return self.open(rank, what)
+
+
+def check_same_model(reader: Reader, params: dict[str, tuple[int, ...]]) -> None:
+    """Raise CheckpointError unless the checkpoint holds exactly these parameters and shapes."""
+    saved = {n: tuple(p["shape"]) for n, p in reader.params.items()}
+    if saved == params:
+        return
+    missing = sorted(set(params) - set(saved))
+    extra = sorted(set(saved) - set(params))
+    shapes = sorted(f"{n}: saved {saved[n]}, model {params[n]}" for n in set(saved) & set(params)
+                    if saved[n] != params[n])
+    raise CheckpointError(
+        f"checkpoint: {reader.path} holds another model; "
+        + "; ".join(part for part in (f"missing from it: {', '.join(missing)}" if missing else "",
+                                       f"not in this model: {', '.join(extra)}" if extra else "",
+                                       f"shapes differ: {'; '.join(shapes)}" if shapes else "")
+                    if part)
+        + "; expected the same layers and shapes: build the model the checkpoint was saved from")
