@@ -216,13 +216,3 @@ def memory_owner(arr: Any) -> Any:
 def flat_view(arr: Any) -> Any:
     """Return a 1-D view of a contiguous array (no copy)."""
     return arr if arr.ndim == 1 else arr.reshape(-1)
-
-
-def scatter_shape(shape: tuple[int, ...], size: int) -> tuple[int, ...]:
-    """Return the shape of one rank's part of a reduce_scatter of ``shape``."""
-    return (shape[0] // size, *shape[1:])
-
-
-def gather_shape(shape: tuple[int, ...], size: int) -> tuple[int, ...]:
-    """Return the shape of an allgather of ``shape`` from ``size`` ranks."""
-    return (shape[0] * size, *shape[1:])

@@ -116,7 +116,7 @@ class MpiCommunicator(Communicator):
         if not self._library_reduces(send, "reduce_scatter"):
             self._pairwise_reduce(send, recv, [r * recv.size for r in range(self.size + 1)], op)
         elif in_place:  # MPI_IN_PLACE means rows 0..m of send there: reduce into a copy
-            result = array_module(recv).empty_like(recv)  # small (the library's sizes): cheap
+            result = array_module(recv).empty(recv.shape, recv.dtype)  # small: cheap
             self._comm.Reduce_scatter_block(_wire(send), _wire(result), op=self._ops[op])
             recv[...] = result
         else:
@@ -178,18 +178,24 @@ class MpiCommunicator(Communicator):
         in_place = _overlap(mine, own)
         seg = max(1, self.segment_bytes // send.itemsize)
         longest = max(hi - lo for lo, hi in itertools.pairwise(bounds))
-        scratch = self._scratch_buffer(send, min(seg, longest))
+        step = min(seg, longest)
+        scratch = self._scratch_buffer(send, 2 * step)
         for start in range(0, longest, seg):
             part = mine[start : start + seg]
-            total = part if in_place else own[start : start + seg]  # no copy of own first
+            got = scratch[: part.size]
+            # out of place, the sum gathers in cache-hot scratch and is copied once: a ufunc
+            # writing to memory it did not read costs twice as much as one adding in place
+            total, acc = (part, part) if in_place else (own[start : start + seg],
+                                                        scratch[step : step + part.size])
             for k in range(1, size):
                 to, frm = (rank + k) % size, (rank - k) % size
                 piece = send[bounds[to] + start : min(bounds[to] + start + seg, bounds[to + 1])]
-                got = scratch[: part.size]
                 self._comm.Sendrecv(_wire(piece), dest=to, sendtag=EXCHANGE_TAG,
                                     recvbuf=_wire(got), source=frm, recvtag=EXCHANGE_TAG)
-                ufunc(total, got, out=part)  # CuPy arrays (CUDA-aware MPI) take CuPy's ufunc
-                total = part
+                ufunc(total, got, out=acc)  # CuPy arrays (CUDA-aware MPI) take CuPy's ufunc
+                total = acc
+            if acc is not part:
+                part[...] = acc
 
     def _scratch_buffer(self, like: Any, numel: int) -> Any:
         xp = array_module(like)

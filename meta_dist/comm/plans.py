@@ -52,7 +52,7 @@ def reduce_scatter(c: Communicator, send: Any, op: str, out: Any) -> Run:
     sends, is_list = inputs(c, "reduce_scatter", send)
     checks.check_op("reduce_scatter", op, SCATTER_OPS, sends[0].dtype)
     checks.check_rows("reduce_scatter", sends, c.size)
-    shapes = [checks.scatter_shape(s.shape, c.size) for s in sends]
+    shapes = [(s.shape[0] // c.size, *s.shape[1:]) for s in sends]
     outs, _ = outputs(c, "reduce_scatter", out, sends, shapes, is_list)
     c.traffic.count("reduce_scatter", sends)
     direct = c.fusion.direct(sends)
@@ -69,7 +69,8 @@ def reduce_scatter(c: Communicator, send: Any, op: str, out: Any) -> Run:
             mine = buf[c.rank * seg : (c.rank + 1) * seg]
             c._reduce_scatter(buf, mine, op)
         c._average(mine, op)
-        c.fusion.unpack(mine, None if direct else outs)
+        if not direct:
+            c.fusion.unpack(mine, outs)
         return outs if is_list else outs[0]
 
     return run
@@ -79,7 +80,7 @@ def allgather(c: Communicator, send: Any, out: Any) -> Run:
     """Plan ``Communicator.allgather``."""
     sends, is_list = inputs(c, "allgather", send)
     checks.check_axis0("allgather", sends)
-    shapes = [checks.gather_shape(s.shape, c.size) for s in sends]
+    shapes = [(s.shape[0] * c.size, *s.shape[1:]) for s in sends]
     outs, _ = outputs(c, "allgather", out, sends, shapes, is_list)
     c.traffic.count("allgather", sends)
     direct = c.fusion.direct(sends)
