@@ -6,6 +6,7 @@ which array module an array belongs to, so layers, optimizers and ZeRO run uncha
 
 from __future__ import annotations
 
+import itertools
 import math
 import types
 
@@ -104,13 +105,9 @@ def contiguous_arrays(shapes: list[tuple[int, ...]], dtype: object,
 
 def split_buffer(buffer: object, shapes: list[tuple[int, ...]]) -> list:
     """Return views of a 1-D ``buffer`` shaped ``shapes``, back to back from its start."""
-    arrays, start = [], 0
-    for shape in shapes:  # per array as little as it can be: a fused list may hold thousands
-        if len(shape) == 1:
-            stop = start + shape[0]
-            arrays.append(buffer[start:stop])
-        else:
-            stop = start + math.prod(shape)
-            arrays.append(buffer[start:stop].reshape(shape))
-        start = stop
-    return arrays
+    ends = list(itertools.accumulate(map(math.prod, shapes), initial=0))
+    views = [buffer[a:b] for a, b in itertools.pairwise(ends)]  # a fused list: thousands, maybe
+    for i, shape in enumerate(shapes):
+        if len(shape) != 1:
+            views[i] = views[i].reshape(shape)
+    return views

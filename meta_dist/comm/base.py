@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from meta_dist.lazy_mpi import MPI
 
 from meta_dist.comm import plans
 from meta_dist.comm.checks import DTYPES
@@ -25,6 +24,7 @@ from meta_dist.comm.fusion import Fusion
 from meta_dist.comm.streams import CommStream
 from meta_dist.comm.worker import CommThreads, Handle
 from meta_dist.connector import MPIConnector
+from meta_dist.lazy_mpi import MPI
 from meta_dist.watchdog import DEFAULT_STALL_TIMEOUT_S, resolve_stall_timeout
 from meta_dist.xp import data_ptr, is_cupy_array
 

@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from meta_dist.lazy_mpi import MPI
 
+from meta_dist.lazy_mpi import MPI
 from meta_dist.xp import is_cupy_array
 
 KINDS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "send", "recv")

@@ -24,11 +24,11 @@ import os
 from typing import Any
 
 import numpy as np
-from meta_dist.lazy_mpi import MPI
 
 from meta_dist.comm.base import Communicator
 from meta_dist.comm.checks import DTYPES
 from meta_dist.connector import MPIConnector
+from meta_dist.lazy_mpi import MPI
 from meta_dist.xp import array_module, data_ptr, gpu_count, is_cupy_array, select_device
 
 ENV_CUDA_AWARE = "META_DIST_CUDA_AWARE_MPI"

@@ -198,8 +198,11 @@ def recv(c: Communicator, out: Any, peer: int) -> Run:
 
 
 def _check_peer(c: Communicator, api: str, peer: int) -> None:
-    """Refuse a peer out of range, or this rank itself (MPI's blocking send to oneself waits
-    for a receive the same thread never posts; PyTorch refuses it too)."""
+    """Refuse a peer out of range, or this rank itself.
+
+    MPI's blocking send to oneself waits for a receive the same thread never posts; PyTorch
+    refuses it too.
+    """
     checks.check_rank(api, "peer", peer, c.size)
     if peer == c.rank:
         raise ValueError(f"{api}: peer is this rank ({peer}); expected another rank: a rank "

@@ -17,7 +17,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from meta_dist.lazy_mpi import MPI
-
 from meta_dist.watchdog import StallWatchdog, resolve_stall_timeout
 
 THREAD_LEVELS = {"THREAD_SINGLE": "single", "THREAD_FUNNELED": "funneled",
