@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -27,8 +28,12 @@ class Fusion:
     """The buffers a communicator fuses lists in, the results it makes, and how data gets there.
 
     A backend whose library moves host memory only (MPI, unless CUDA-aware) ``stages`` CuPy
-    arrays: they are always packed, into pinned host buffers (the device-to-host copies are the
-    packing), and unpacked back onto the device; a single CuPy array takes the path of a list.
+    arrays: they are always packed, a collective's into reused pinned host buffers (the
+    device-to-host copies are the packing; a point-to-point message gets a buffer of its own),
+    and unpacked back onto the device; a single CuPy array takes the path of a list. A copy back
+    reads its pinned buffer after the call has returned: the event it records is waited for
+    before the buffer is handed out again (a lock keeps the newest event when a receive thread
+    records one beside the collectives).
 
     Args:
         address: returns an array's data address (the backend's cheapest way).
@@ -40,6 +45,7 @@ class Fusion:
         self._buffers: dict[tuple[str, np.dtype, bool], Any] = {}
         self._recycled: list[np.ndarray] = []  # large result buffers, see new_buffer
         self._copied: Any = None  # an event after the last copy from a pinned buffer
+        self._lock = threading.Lock()  # recording an event and storing it: one step
 
     def direct(self, arrays: list[Any]) -> bool:
         """Whether one array moves as it is (a list, or a staged device array, is packed)."""
@@ -82,8 +88,7 @@ class Fusion:
         if buf is None or buf.size < numel:
             buf = self._buffers[key] = (_pinned if staged else xp.empty)(numel, like.dtype)
         if staged and self._copied is not None:
-            self._copied.synchronize()  # a copy to the device may still read the buffer
-            self._copied = None
+            self._settle()  # a copy to the device may still read the buffer
         return buf[:numel]
 
     def private(self, like: Any, numel: int, dtype: Any = None) -> Any:
@@ -121,7 +126,8 @@ class Fusion:
         """Copy ``src`` into ``dst`` (same shape), from a host buffer onto the device if staged."""
         if type(src) is np.ndarray and is_cupy_array(dst):
             dst.set(np.ascontiguousarray(src))  # asynchronous: buffer() waits for it
-            self._copied = array_module(dst).cuda.get_current_stream().record()
+            with self._lock:  # one stream: the newest event covers every older copy
+                self._copied = array_module(dst).cuda.get_current_stream().record()
         else:
             dst[...] = src
 
@@ -152,12 +158,17 @@ class Fusion:
 
     def clear(self) -> None:
         """Release every buffer (after any copy still reading one)."""
-        if self._copied is not None:
-            self._copied.synchronize()
-            self._copied = None
+        self._settle()
         self._buffers.clear()
         self._recycled.clear()
 
+
+    def _settle(self) -> None:
+        """Wait for the last copy out of a pinned buffer (if any) to finish."""
+        with self._lock:
+            copied, self._copied = self._copied, None
+        if copied is not None:
+            copied.synchronize()
 
 def _pinned(numel: int, dtype: np.dtype) -> np.ndarray:
     """Return page-locked host memory, so copies to and from the device run asynchronously."""

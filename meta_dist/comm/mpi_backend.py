@@ -1,7 +1,7 @@
 """MpiCommunicator: collectives on host (numpy) buffers through mpi4py.
 
 Imports numpy, mpi4py, meta_dist.comm.base / checks and meta_dist.xp. CuPy arrays reach the
-same primitives through pinned host buffers (``plans.Fusion`` packs them there and back), or,
+same primitives through pinned host buffers (``comm.fusion`` packs them there and back), or,
 when META_DIST_CUDA_AWARE_MPI=1 says the library is CUDA-aware, as they are: no portable call
 says whether a library is one, and a device pointer handed to one that is not (the PyPI Open
 MPI and MPICH wheels) crashes, so it is an explicit opt-in, agreed by every rank.

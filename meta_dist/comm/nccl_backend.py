@@ -260,7 +260,7 @@ class NcclCommunicator(Communicator):
         if self._aborted or self._comm is None:
             raise RuntimeError(f"{api}: the NCCL communicator of rank {self.rank} was aborted "
                                "after an earlier failure; create a new communicator")
-        self._check_arrays(api, list(arrays))  # out= arrays reach here unchecked by the base
+        self._check_arrays(api, list(arrays))  # the buffers a plan made, too
         if count == 0:
             return None
         with self._cupy.cuda.Device(self.device):

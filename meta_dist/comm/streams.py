@@ -12,6 +12,7 @@ are never waited for by the host.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -41,14 +42,17 @@ class Ticket:
 
 
 class CommStream:
-    """A communicator's own non-blocking stream (made on first use), and calls placed on it.
+    """A communicator's own non-blocking stream, and calls placed on it.
 
     Args:
-        stream: the stream to use (the NCCL backend's); None makes one when first needed.
+        stream: the stream to use (the NCCL backend's); None makes one on the first call (under
+            a lock: a collective and a point-to-point thread may place their first calls at
+            once, and both must land on the one stream).
     """
 
     def __init__(self, stream: Any = None) -> None:
         self.stream = stream
+        self._lock = threading.Lock()
 
     def place(self, run: Callable[[], Any]) -> Callable[[], Any]:
         """Return ``run`` to be run on this stream after the caller's work (any thread).
@@ -63,13 +67,18 @@ class CommStream:
 
         def on_stream() -> Any:
             with cupy.cuda.Device(ticket.device):
-                if self.stream is None:
-                    self.stream = cupy.cuda.Stream(non_blocking=True)
-                self.stream.wait_event(ticket.ready)
-                with self.stream:
+                stream = self._stream(cupy)
+                stream.wait_event(ticket.ready)
+                with stream:
                     result = run()
-                ticket.done = self.stream.record()
+                ticket.done = stream.record()
             return result
 
         on_stream.after = ticket.after  # type: ignore[attr-defined]
         return on_stream
+
+    def _stream(self, cupy: Any) -> Any:
+        with self._lock:
+            if self.stream is None:
+                self.stream = cupy.cuda.Stream(non_blocking=True)
+            return self.stream

@@ -18,7 +18,7 @@ from test_nccl import cp, gpu  # noqa: F401 - the collective skips of the GPU te
 from meta_dist import make_communicator
 from meta_dist.comm.mpi_backend import ENV_CUDA_AWARE, MpiCommunicator, cuda_aware_requested
 
-LENGTHS = [1, 7, 70001]  # 70001 float32/float64 elements take the pairwise reduce_scatter
+LENGTHS = [1, 7, 70001]  # 70001 uint8 elements take the pairwise allreduce (numpy reduces them)
 DTYPE_OPS = [(d, "sum") for d in DTYPES] + [("float32", op) for op in OPS if op != "sum"]
 
 
@@ -133,12 +133,19 @@ def test_fused_lists_equal_the_host_result(scomm, comm, gpu, collective):  # noq
 @pytest.mark.gpu
 def test_calls_back_to_back_never_overwrite_a_pending_copy(scomm, gpu):  # noqa: F811
     """Off the root a broadcast's host buffer is written by MPI, not packed: it must wait for
-    the previous call's copy back to the device, which the stand-in runs late."""
+    the previous call's copy back to the device. The caller's stream is kept busy before each
+    call, so on the stand-in that copy is still pending when the next one starts."""
     n = scomm.size
     for root in range(n):
-        inputs = [rank_input(k + 10 * root, root, (3001,), "float32") for k in range(4)]
-        results = [scomm.broadcast(gpu.asarray(x) if scomm.rank == root else gpu.zeros(3001,
-                                   "float32"), root) for x in inputs]
+        inputs = [rank_input(k + 10 * root, root, (3001,), "float32") for k in range(6)]
+        results = []
+        for x in inputs:
+            if scomm.rank != root:
+                busy = gpu.ones(4)
+                for _ in range(60):
+                    busy += 1
+            results.append(scomm.broadcast(gpu.asarray(x) if scomm.rank == root else gpu.zeros(
+                3001, "float32"), root))
         for got, want in zip(results, inputs, strict=True):
             np.testing.assert_array_equal(got.get(), want)
 
