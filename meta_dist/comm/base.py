@@ -265,7 +265,7 @@ class Communicator(ABC):
 
     def _start(self, api: str, make: Callable[..., plans.Run], *args: Any) -> Handle:
         """Plan a collective and queue it on the communication thread; return its Handle."""
-        self._threads.check_async(api)
+        self._threads.check_async(api)  # before the plan: a refusal here tells no peers
         return self._threads.start(self._plan(api, make, *args), api, arrays=args[0])
 
     def _plan(self, api: str, make: Callable[..., plans.Run], *args: Any) -> plans.Run:

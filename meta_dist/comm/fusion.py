@@ -162,13 +162,13 @@ class Fusion:
         self._buffers.clear()
         self._recycled.clear()
 
-
     def _settle(self) -> None:
         """Wait for the last copy out of a pinned buffer (if any) to finish."""
         with self._lock:
             copied, self._copied = self._copied, None
         if copied is not None:
             copied.synchronize()
+
 
 def _pinned(numel: int, dtype: np.dtype) -> np.ndarray:
     """Return page-locked host memory, so copies to and from the device run asynchronously."""

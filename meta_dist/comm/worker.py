@@ -1,12 +1,11 @@
 """Where a communicator's operations run: now, or in order on its threads, watched.
 
 Imports mpi4py (the thread level) and meta_dist.watchdog. Every rank must issue collectives in
-the same order: one
-single-thread executor per communicator runs them first in, first out (a Future carries each
-result or exception to its waiter), and a blocking call made while work is queued joins the
-queue instead of overtaking it. Sends to each peer and receives from each peer get a thread
-of their own, as MPI_Isend/MPI_Irecv would, so two ranks may each start a send to the other
-before receiving.
+the same order: one single-thread executor per communicator runs them first in, first out (a
+Future carries each result or exception to its waiter), and a blocking call made while work is
+queued joins the queue instead of overtaking it. Sends to each peer and receives from each
+peer get a thread of their own, as MPI_Isend/MPI_Irecv would, so two ranks may each start a
+send to the other before receiving.
 """
 
 from __future__ import annotations
