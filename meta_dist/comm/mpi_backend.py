@@ -178,24 +178,21 @@ class MpiCommunicator(Communicator):
         in_place = _overlap(mine, own)
         seg = max(1, self.segment_bytes // send.itemsize)
         longest = max(hi - lo for lo, hi in itertools.pairwise(bounds))
-        step = min(seg, longest)
-        scratch = self._scratch_buffer(send, 2 * step)
+        scratch = self._scratch_buffer(send, min(seg, longest))
         for start in range(0, longest, seg):
             part = mine[start : start + seg]
-            got = scratch[: part.size]
-            # out of place, the sum gathers in cache-hot scratch and is copied once: a ufunc
-            # writing to memory it did not read costs twice as much as one adding in place
-            total, acc = (part, part) if in_place else (own[start : start + seg],
-                                                        scratch[step : step + part.size])
             for k in range(1, size):
                 to, frm = (rank + k) % size, (rank - k) % size
                 piece = send[bounds[to] + start : min(bounds[to] + start + seg, bounds[to + 1])]
+                # out of place the first contribution lands in the result itself, which then
+                # adds this rank's own: no scratch round trip, and the result is read once
+                first = k == 1 and not in_place
+                got = part if first else scratch[: part.size]
                 self._comm.Sendrecv(_wire(piece), dest=to, sendtag=EXCHANGE_TAG,
                                     recvbuf=_wire(got), source=frm, recvtag=EXCHANGE_TAG)
-                ufunc(total, got, out=acc)  # CuPy arrays (CUDA-aware MPI) take CuPy's ufunc
-                total = acc
-            if acc is not part:
-                part[...] = acc
+                # CuPy arrays (CUDA-aware MPI) take CuPy's ufunc; ops commute, so the sum is
+                # the same bits in place and out of place
+                ufunc(part, own[start : start + seg] if first else got, out=part)
 
     def _scratch_buffer(self, like: Any, numel: int) -> Any:
         xp = array_module(like)
