@@ -23,7 +23,9 @@ from meta_dist.xp import is_cupy_array
 # when a communicator is made, and their values in nccl.h where a CuPy lacks the name (CuPy 13
 # has no NCCL_AVG). avg is ncclAvg from NCCL 2.10 on: floats are multiplied by 1/size before
 # the sum (src/enqueue.cc), so an fp16 average does not overflow where the sum would; before
-# 2.10 it is a sum that the base divides by size once.
+# 2.10 it is a sum that the base divides by size once. On one rank avg is a sum (the array
+# itself): NCCL before 2.29.7 leaves the last elements of a one-rank ncclAvg unwritten
+# (NVIDIA/nccl#1950; seen on an H200 with NCCL 2.28.3, 17 of 70001 float32 elements).
 NCCL_DTYPE_NAMES = {"uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "int64": "NCCL_INT64",
                     "float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32",
                     "float64": "NCCL_FLOAT64", "bfloat16": "NCCL_BFLOAT16"}
@@ -149,7 +151,7 @@ class NcclCommunicator(Communicator):
                         if name != "bfloat16" or new}
         self._ops = {name: getattr(nccl, code, NCCL_H[code])
                      for name, code in NCCL_OP_NAMES.items()}
-        if not new:  # no ncclAvg: a sum, divided by the base
+        if not new or self.size == 1:  # no ncclAvg (a sum the base divides), or one rank
             self._ops["avg"] = self._ops["sum"]
         self._stream = cupy.cuda.Stream(non_blocking=True) if stream is None else stream
         self.stream.stream = self._stream  # calls on CuPy arrays run there (comm.streams)
@@ -216,7 +218,7 @@ class NcclCommunicator(Communicator):
             self._in_flight.clear()
 
     def _average(self, flat: Any, op: str) -> None:
-        """Divide by size only where NCCL has no ncclAvg (before 2.10): it averaged already."""
+        """Divide by size where avg ran as a sum (NCCL before 2.10; one rank needs no division)."""
         if self._ops["avg"] == self._ops["sum"]:
             super()._average(flat, op)
 

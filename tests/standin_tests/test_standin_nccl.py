@@ -184,6 +184,38 @@ def test_one_rank_collectives_are_copies(cupy, nccl, comm, datatype):
         np.testing.assert_array_equal(y.get(), host)
 
 
+@pytest.mark.parametrize(("dtype", "count", "unwritten"), [
+    ("float32", 70001, 17), ("float16", 40001, 1), ("float64", 40001, 1),
+    ("float16", 70001, 0), ("float32", 4000, 0)])
+def test_one_rank_float_avg_drops_the_tail_before_2_29_7(cupy, nccl, comm, knobs, dtype,
+                                                        count, unwritten):
+    """NVIDIA/nccl#1950 (fixed in v2.29.7-1): one rank reduces ncclAvg of floats with
+    oneRankReduce (src/device/onerank.cu), min(32, ceil(bytes / 16 KiB)) blocks of
+    alignUp(count // blocks, 16 / itemsize) elements, which can miss the last elements: they
+    keep what the output held. Counts from a real H200 with NCCL 2.28.3 (float32 70001: 17
+    unwritten; float16 and float64 40001: 1; float16 70001: none). Sums, integers, and NCCL
+    2.29.7 write everything."""
+    host = (np.arange(count) % 1000 + 1).astype(dtype)
+    x, s = cupy.asarray(host), cupy.cuda.get_current_stream().ptr
+    datatype = {"float16": nccl.NCCL_FLOAT16, "float32": nccl.NCCL_FLOAT32,
+                "float64": nccl.NCCL_FLOAT64}[dtype]
+    for version, op, missing in (("2.28.9", nccl.NCCL_AVG, unwritten),
+                                 ("2.28.9", nccl.NCCL_SUM, 0), ("2.29.7", nccl.NCCL_AVG, 0)):
+        knobs(META_DIST_STANDIN_NCCL_VERSION=version)
+        for name in ("allReduce", "reduceScatter", "reduce"):
+            y = cupy.full(count, -1, dtype)
+            root = (0,) if name == "reduce" else ()
+            getattr(comm, name)(x.data.ptr, y.data.ptr, count, datatype, op, *root, s)
+            got = y.get()
+            np.testing.assert_array_equal(got[:count - missing], host[:count - missing])
+            np.testing.assert_array_equal(got[count - missing:], -1)
+    ints = cupy.arange(count, dtype=cupy.int32)
+    y = cupy.full(count, -1, cupy.int32)
+    knobs(META_DIST_STANDIN_NCCL_VERSION="2.28.9")
+    comm.allReduce(ints.data.ptr, y.data.ptr, count, nccl.NCCL_INT32, nccl.NCCL_AVG, s)
+    np.testing.assert_array_equal(y.get(), np.arange(count))  # integers: a copy, all written
+
+
 def test_groups_and_point_to_point(cupy, nccl, comm):
     """usage/groups.html: inside ncclGroupStart/End calls "can return without having enqueued
     the operation on the stream"; they run at the outer groupEnd. usage/p2p.html: send/recv

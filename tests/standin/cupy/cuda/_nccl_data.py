@@ -70,9 +70,36 @@ def incoming(call: Any, me: int, n: int) -> list[int]:
     return [call.root] if call.name == "recv" else []
 
 
+ONE_RANK_AVG_FIXED = (2, 29, 7)  # NVIDIA/nccl#1950, fixed in v2.29.7-1
+
+
+def one_rank_avg_written(nbytes: int, itemsize: int) -> int:
+    """Return how many bytes NCCL before 2.29.7 writes of a floating avg on one rank.
+
+    One rank reduces with oneRankReduce (src/device/onerank.cu): min(32, ceil(nbytes / 16 KiB))
+    blocks of alignUp(n // blocks, 16 // itemsize) elements each, so the last
+    n - blocks * (n // blocks) elements stay unwritten where that alignment adds nothing
+    (NVIDIA/nccl#1950, "One-rank avg reduction missing elements"; seen on a real H200 with NCCL
+    2.28.3: 17 of 70001 float32 elements).
+    """
+    n = nbytes // itemsize
+    if n == 0:
+        return 0
+    blocks = min(32, -(-nbytes // (16 << 10)))
+    per_pack = max(1, 16 // itemsize)
+    step = -(-(n // blocks) // per_pack) * per_pack
+    return min(n, blocks * step) * itemsize
+
+
 def finish(call: Any, me: int, n: int, mine: np.ndarray | None,
-            payloads: dict[int, np.ndarray]) -> None:
+           payloads: dict[int, np.ndarray], version: tuple[int, int, int]) -> None:
     if call.recv is None:
+        return
+    name, storage, _ = DATATYPES[call.datatype]
+    if (n == 1 and call.op == NCCL_AVG and call.kind in (ALLREDUCE, REDUCE, REDUCESCATTER)
+            and version < ONE_RANK_AVG_FIXED and "float" in name):  # ncclDevPreMulSum
+        written = one_rank_avg_written(len(mine), np.dtype(storage).itemsize)
+        call.recv.write_prefix(reduce([mine[:written]], call.datatype, call.op, 1))
         return
     if call.kind == P2P or (call.kind == BROADCAST and me != call.root):
         call.recv.write(payloads[call.root])

@@ -190,6 +190,10 @@ class _Buffer:
     def write(self, data: np.ndarray) -> None:
         self.storage.view(self.offset, (self.nbytes,), (1,), np.dtype(np.uint8))[...] = data
 
+    def write_prefix(self, data: np.ndarray) -> None:
+        """Write ``data`` over the buffer's first bytes; the rest keep what they held."""
+        self.storage.view(self.offset, (len(data),), (1,), np.dtype(np.uint8))[...] = data
+
     def overlaps(self, other: _Buffer) -> bool:
         return (self.storage is other.storage and self.offset < other.offset + other.nbytes
                 and other.offset < self.offset + self.nbytes)
@@ -529,7 +533,7 @@ class NcclCommunicator:
                     self._mismatch(call, peer, header)
                     return
                 payloads[peer] = payload
-            _nccl_data.finish(call, me, n, call.own, payloads)
+            _nccl_data.finish(call, me, n, call.own, payloads, _knobs.nccl_version())
 
     def _mismatch(self, call: _Call, peer: int, header: tuple[int, ...]) -> None:
         detail = (f"rank {self._rank} called {_nccl_ranks.describe_header(call.header())} but "
