@@ -2,12 +2,16 @@
 beside raw cupy.cuda.nccl, and the reference MLP on CuPy beside PyTorch, into one folder.
 
     python scripts/distributed/gpu_check.py [--ranks N] [--out DIR] [--quick] [--standin]
+        [--step-timeout S]
 
 N defaults to the number of GPUs (at least 2 where there are several). Each step runs under
 ``mpirun -np N`` (the mpirun beside this Python, or $META_DIST_MPIRUN) and writes its whole output
-to DIR (default gpu_check-<time>): versions.txt, tests.txt, collectives.txt, train.txt; then
-summary.md, a table of each step's outcome and headline figure, is written there and printed.
-Exit status 0 when every step that ran succeeded.
+to DIR (default gpu_check-<time>): versions.txt, tests.txt, collectives.txt, train.txt, and with
+one rank (one GPU) tests-shared.txt, the GPU tests again on two ranks sharing the GPU (MPI staged
+through host memory); then summary.md, a table of each step's outcome and headline figure, is
+written there and printed.
+Exit status 0 when every step that ran succeeded; a step still running after S seconds (default
+1800) is ended, its output kept, and counted as failed (exit 124).
 
 --standin runs everything on the CuPy/NCCL stand-in of tests/standin (CI does, so this script
 cannot rot): the figures are then numpy on the CPU, NOT GPU figures, and every table says so.
@@ -26,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
-from mpirun import launcher, mpi_env  # noqa: E402 - the test suite's launcher and environment
+from mpirun import launcher, mpi_env, run  # noqa: E402 - the test suite's launcher and environment
 
 GPU_TESTS = ["tests/mpi/test_nccl.py", "tests/mpi/test_zero_gpu.py", "tests/mpi/test_staging.py"]
 STANDIN_BANNER = ("STAND-IN RUN: CuPy and NCCL are tests/standin's numpy model on the CPU; "
@@ -74,19 +78,17 @@ def job_env(standin: bool, devices: int, out: Path) -> dict[str, str]:
 def run_step(name: str, ranks: int, argv: list[str], env: dict, out: Path, timeout: float):
     """Run ``mpirun -np ranks python argv`` in the project root; write its output to out/name.
 
-    Returns (exit status, output text, seconds).
+    A step past ``timeout`` has its whole process group ended (tests/mpirun.py: mpirun and
+    every rank), so no rank of it holds a GPU while the next step runs.
+
+    Returns (exit status, output text, seconds); the status of a step that timed out is 124.
     """
     command = [*launcher(), "-np", str(ranks), sys.executable, *argv]
     started = time.monotonic()
-    try:
-        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=timeout, errors="replace")
-        status, text = done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as expired:
-        status = 124
-        text = f"{expired.stdout or ''}{expired.stderr or ''}\n[gpu_check: timed out after " \
-               f"{timeout:.0f} s]"
-        text = text if isinstance(text, str) else text.decode(errors="replace")
+    result = run(ranks, argv, timeout=timeout, env=env)
+    status, text = (124 if result.timed_out else result.returncode), result.output
+    if result.timed_out:
+        text += f"\n[gpu_check: timed out after {timeout:g} s]"
     took = time.monotonic() - started
     (out / f"{name}.txt").write_text(f"$ {shlex.join(command)}\n{text}")
     print(f"[{name}] exit {status} in {took:.0f} s -> {out / (name + '.txt')}", flush=True)
@@ -108,6 +110,8 @@ def parse_args():
                    help="small sizes and few steps (what CI runs on the stand-in)")
     p.add_argument("--standin", action="store_true",
                    help="use tests/standin's CuPy/NCCL model: checks the script, not the GPU")
+    p.add_argument("--step-timeout", type=float, default=1800.0, metavar="S",
+                   help="seconds each step may run before it is ended (default 1800)")
     return p.parse_args()
 
 
@@ -130,21 +134,26 @@ def main() -> int:
     gpus = int(last_match(r"^GPUs:", text, "GPUs: 0").split()[1])
     ranks = args.ranks or max(1, gpus)
     quick = ["--max-bytes", str(4 * 2**20), "--blocks", "2", "--warmup", "2"] if args.quick else []
-    steps = {
-        "tests": (["-m", "mpi4py", "-m", "pytest", "-q", "-rs", "--color=no", "-p",
-                   "no:cacheprovider", *GPU_TESTS], 1800, r"\d+ (passed|failed)"),
-        "collectives": (["-m", "meta_dist", "bench", "collectives", "--backend", "nccl", *quick],
-                        1800, r"^summary:"),
-        "train": (["-m", "meta_dist", "bench", "train", "--device", "cuda",
-                   *(["--steps", "4", "--warmup", "1", "--blocks", "2", "--hidden", "256"]
-                     if args.quick else []),
-                   *(["--torch"] if with_torch else [])], 1800, r"^summary:"),
+    tests = ["-m", "mpi4py", "-m", "pytest", "-q", "-rs", "--color=no", "-p", "no:cacheprovider",
+             *GPU_TESTS]
+    steps = {  # name: (ranks, argv, headline)
+        "tests": (ranks, tests, r"\d+ (passed|failed)"),
+        "collectives": (ranks, ["-m", "meta_dist", "bench", "collectives", "--backend", "nccl",
+                                *quick], r"^summary:"),
+        "train": (ranks, ["-m", "meta_dist", "bench", "train", "--device", "cuda",
+                          *(["--steps", "4", "--warmup", "1", "--blocks", "2", "--hidden", "256"]
+                            if args.quick else []),
+                          *(["--torch"] if with_torch else [])], r"^summary:"),
     }
+    if ranks == 1:  # the GPU tests across ranks too: two share the GPU (MPI staged via the host;
+        # NCCL's tests skip, saying why: NCCL before 2.30 takes one rank per GPU)
+        steps["tests-shared"] = (2, tests, r"\d+ (passed|failed)")
     rows = [("versions", 0, "; ".join(last_match(f"^{key}:", text).split(": ", 1)[-1]
                                       for key in ("CUDA driver", "CuPy", "NCCL", "MPI")), 0.0)]
-    for name, (argv, timeout, headline) in steps.items():
-        status, text, took = run_step(name, ranks, argv, env, out, timeout)
-        rows.append((name, status, last_match(headline, text), took))
+    for name, (n, argv, headline) in steps.items():
+        status, text, took = run_step(name, n, argv, env, out, args.step_timeout)
+        rows.append((f"{name} ({n} ranks)" if n != ranks else name, status,
+                     last_match(headline, text), took))
     if not with_torch:
         rows.append(("train (torch)", 0, "skipped: PyTorch with CUDA is not installed here "
                      "(pip install torch) - no comparison with torch on the GPU", 0.0))
@@ -154,7 +163,8 @@ def main() -> int:
         table += [f"**{STANDIN_BANNER}**", ""]
     table += ["| step | result | headline | seconds |", "| --- | --- | --- | --- |"]
     table += [f"| {name} | {'ok' if status == 0 else f'FAILED (exit {status})'} | "
-              f"{headline.replace('|', '/')} | {took:.0f} |" for name, status, headline, took in rows]
+              f"{headline.replace('|', '/')} | {took:.0f} |"
+              for name, status, headline, took in rows]
     table += ["", "Versions:", "", "```", versions, "```"]
     (out / "summary.md").write_text("\n".join(table) + "\n")
     print("\n".join(table))

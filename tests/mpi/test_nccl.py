@@ -44,9 +44,8 @@ def cp(connector):
     return cupy_or_none()
 
 
-@pytest.fixture(scope="module")
-def gpu(connector, cp):
-    """A GPU per rank with NCCL (or a shareable one), or a collective skip."""
+def skip_unless_nccl_per_rank(connector):
+    """Skip on every rank unless NCCL runs on a GPU per rank (or on a shareable one)."""
     collective_skip(connector, nccl_unavailable_reason(), "needs NCCL and a GPU")
     shareable = (os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"
                  and (nccl_version() or (0, 0, 0)) >= MULTI_RANK_GPU_VERSION)
@@ -54,6 +53,22 @@ def gpu(connector, cp):
     collective_skip(connector, shortfall and (
         f"{connector.local_size} ranks on this node, {gpu_count()} GPU(s); NCCL needs one GPU "
         "per rank unless NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1"), "needs a GPU per rank")
+
+
+@pytest.fixture(scope="module")
+def gpu(connector, cp):
+    """A GPU per rank with NCCL (or a shareable one), or a collective skip."""
+    skip_unless_nccl_per_rank(connector)
+    return cp
+
+
+@pytest.fixture(scope="module")
+def any_gpu(connector, cp):
+    """A GPU visible to every rank, shared or not, or a collective skip. Enough for CuPy arrays
+    through the MPI backend (staged through host memory): that path needs no NCCL, so it runs
+    where several ranks share one GPU, as on a one-GPU machine."""
+    collective_skip(connector, None if gpu_count() > 0 else "no CUDA device is visible",
+                    "needs a GPU")
     return cp
 
 
@@ -286,26 +301,26 @@ def test_send_recv(ncomm, gpu):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,op", [("float32", "sum"), ("float64", "avg"), ("uint8", "sum"),
                                       ("int32", "max")])
-def test_cupy_arrays_through_mpi_backend(connector, gpu, dtype, op):
+def test_cupy_arrays_through_mpi_backend(connector, any_gpu, dtype, op):
     comm = make_communicator("mpi", connector)  # staged, or META_DIST_CUDA_AWARE_MPI=1
     try:
         for n in (7, 70001):
             inputs = [rank_input(n, r, (n * comm.size,), dtype, op) for r in range(comm.size)]
-            mine = gpu.asarray(inputs[comm.rank])
+            mine = any_gpu.asarray(inputs[comm.rank])
             assert_matches(comm.allreduce(mine, op).get(), reference(inputs, op), comm.size)
             assert comm.allreduce(mine, op, out=mine) is mine
             assert_matches(mine.get(), reference(inputs, op), comm.size)
             if op in ("sum", "avg"):
                 rows = slice(comm.rank * n, (comm.rank + 1) * n)
-                buf = gpu.asarray(inputs[comm.rank])
+                buf = any_gpu.asarray(inputs[comm.rank])
                 comm.reduce_scatter(buf, op, out=buf[rows])
                 assert_matches(buf[rows].get(), reference(inputs, op)[rows], comm.size)
-            out = gpu.zeros(n * comm.size * comm.size, dtype)
+            out = any_gpu.zeros(n * comm.size * comm.size, dtype)
             part = slice(comm.rank * n * comm.size, (comm.rank + 1) * n * comm.size)
-            out[part] = gpu.asarray(inputs[comm.rank])
+            out[part] = any_gpu.asarray(inputs[comm.rank])
             comm.allgather(out[part], out=out)
             np.testing.assert_array_equal(out.get(), np.concatenate(inputs))
-            np.testing.assert_array_equal(comm.broadcast(gpu.asarray(inputs[comm.rank]),
+            np.testing.assert_array_equal(comm.broadcast(any_gpu.asarray(inputs[comm.rank]),
                                                          root=comm.size - 1).get(), inputs[-1])
     finally:
         comm.close()

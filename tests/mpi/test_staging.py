@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import same_on_every_rank
 from test_collectives import DTYPES, OPS, rank_input, valid
-from test_nccl import cp, gpu  # noqa: F401 - the collective skips of the GPU tests
+from test_nccl import any_gpu, cp  # noqa: F401 - the collective skips of the GPU tests
 
 from meta_dist import make_communicator
 from meta_dist.comm.mpi_backend import ENV_CUDA_AWARE, MpiCommunicator, cuda_aware_requested
@@ -23,7 +23,7 @@ DTYPE_OPS = [(d, "sum") for d in DTYPES] + [("float32", op) for op in OPS if op 
 
 
 @pytest.fixture
-def scomm(connector, gpu):  # noqa: F811
+def scomm(connector, any_gpu):  # noqa: F811
     comm = make_communicator("mpi", connector)
     if comm.cuda_aware:
         comm.close()
@@ -34,14 +34,14 @@ def scomm(connector, gpu):  # noqa: F811
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,op", DTYPE_OPS)
-def test_allreduce(scomm, comm, gpu, dtype, op):  # noqa: F811
+def test_allreduce(scomm, comm, any_gpu, dtype, op):  # noqa: F811
     for n in LENGTHS:
         inputs = [rank_input(n, r, (n,), dtype, op) for r in range(comm.size)]
         want = comm.allreduce(inputs[comm.rank], op)
-        mine = gpu.asarray(inputs[comm.rank])
+        mine = any_gpu.asarray(inputs[comm.rank])
         np.testing.assert_array_equal(scomm.allreduce(mine, op).get(), want)
         np.testing.assert_array_equal(mine.get(), inputs[comm.rank])  # the input untouched
-        out = gpu.zeros(n, dtype)
+        out = any_gpu.zeros(n, dtype)
         assert scomm.allreduce(mine, op, out=out) is out
         assert scomm.allreduce(mine, op, out=mine) is mine
         for got in (out, mine):
@@ -50,14 +50,14 @@ def test_allreduce(scomm, comm, gpu, dtype, op):  # noqa: F811
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,op", [(d, "sum") for d in DTYPES] + [("float16", "avg")])
-def test_reduce_scatter(scomm, comm, gpu, dtype, op):  # noqa: F811
+def test_reduce_scatter(scomm, comm, any_gpu, dtype, op):  # noqa: F811
     for m in (1, 5, 40001):
         inputs = [rank_input(m, r, (m * comm.size,), dtype, op) for r in range(comm.size)]
         rows = slice(comm.rank * m, (comm.rank + 1) * m)
         want = comm.reduce_scatter(inputs[comm.rank], op)
-        np.testing.assert_array_equal(scomm.reduce_scatter(gpu.asarray(inputs[comm.rank]),
+        np.testing.assert_array_equal(scomm.reduce_scatter(any_gpu.asarray(inputs[comm.rank]),
                                                            op).get(), want)
-        buf = gpu.asarray(inputs[comm.rank])
+        buf = any_gpu.asarray(inputs[comm.rank])
         scomm.reduce_scatter(buf, op, out=buf[rows])  # in place: my rows of the input
         host = buf.get()
         np.testing.assert_array_equal(host[rows], want)
@@ -68,18 +68,18 @@ def test_reduce_scatter(scomm, comm, gpu, dtype, op):  # noqa: F811
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_allgather_and_broadcast(scomm, gpu, dtype):  # noqa: F811
+def test_allgather_and_broadcast(scomm, any_gpu, dtype):  # noqa: F811
     n, rank = scomm.size, scomm.rank
     for m in (1, 20001):
         inputs = [rank_input(m, r, (m, 2), dtype) for r in range(n)]
         want = np.concatenate(inputs)
-        np.testing.assert_array_equal(scomm.allgather(gpu.asarray(inputs[rank])).get(), want)
-        out = gpu.zeros((m * n, 2), dtype)
-        out[rank * m:(rank + 1) * m] = gpu.asarray(inputs[rank])
+        np.testing.assert_array_equal(scomm.allgather(any_gpu.asarray(inputs[rank])).get(), want)
+        out = any_gpu.zeros((m * n, 2), dtype)
+        out[rank * m:(rank + 1) * m] = any_gpu.asarray(inputs[rank])
         scomm.allgather(out[rank * m:(rank + 1) * m], out=out)  # in place
         np.testing.assert_array_equal(out.get(), want)
         for root in range(n):
-            buf = gpu.asarray(inputs[rank])
+            buf = any_gpu.asarray(inputs[rank])
             np.testing.assert_array_equal(scomm.broadcast(buf, root).get(), inputs[root])
             assert scomm.broadcast(buf, root, out=buf) is buf
             np.testing.assert_array_equal(buf.get(), inputs[root])
@@ -87,13 +87,13 @@ def test_allgather_and_broadcast(scomm, gpu, dtype):  # noqa: F811
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,op", DTYPE_OPS)
-def test_reduce(scomm, comm, gpu, dtype, op):  # noqa: F811
+def test_reduce(scomm, comm, any_gpu, dtype, op):  # noqa: F811
     if not valid(op, dtype):
         pytest.skip("avg needs a floating dtype")
     for root in range(comm.size):
         inputs = [rank_input(root, r, (1001,), dtype, op) for r in range(comm.size)]
         want = comm.reduce(inputs[comm.rank], root, op)
-        buf = gpu.asarray(inputs[comm.rank])
+        buf = any_gpu.asarray(inputs[comm.rank])
         got = scomm.reduce(buf, root, op)
         in_place = scomm.reduce(buf, root, op, out=buf)
         if comm.rank != root:
@@ -107,7 +107,7 @@ def test_reduce(scomm, comm, gpu, dtype, op):  # noqa: F811
 @pytest.mark.gpu
 @pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "allgather",
                                         "broadcast", "reduce"])
-def test_fused_lists_equal_the_host_result(scomm, comm, gpu, collective):  # noqa: F811
+def test_fused_lists_equal_the_host_result(scomm, comm, any_gpu, collective):  # noqa: F811
     shapes = [(comm.size * 3,), (comm.size, 5), (comm.size * 2, 2, 2), (comm.size,)]
     arrays = [rank_input(i, comm.rank, s, "float64") for i, s in enumerate(shapes)]
     run = {"allreduce": lambda c, a: c.allreduce(a),
@@ -116,13 +116,13 @@ def test_fused_lists_equal_the_host_result(scomm, comm, gpu, collective):  # noq
            "broadcast": lambda c, a: c.broadcast(a, root=comm.size - 1),
            "reduce": lambda c, a: c.reduce(a, root=0)}[collective]
     want = run(comm, arrays)
-    got = run(scomm, [gpu.asarray(a) for a in arrays])
+    got = run(scomm, [any_gpu.asarray(a) for a in arrays])
     if want is None:
         assert got is None
         return
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g.get(), w)
-    in_place = [gpu.asarray(a) for a in arrays]
+    in_place = [any_gpu.asarray(a) for a in arrays]
     if collective == "allreduce":
         assert scomm.allreduce(in_place, out=in_place)[0] is in_place[0]
         for g, w in zip(in_place, want, strict=True):
@@ -131,7 +131,7 @@ def test_fused_lists_equal_the_host_result(scomm, comm, gpu, collective):  # noq
 
 
 @pytest.mark.gpu
-def test_calls_back_to_back_never_overwrite_a_pending_copy(scomm, gpu):  # noqa: F811
+def test_calls_back_to_back_never_overwrite_a_pending_copy(scomm, any_gpu):  # noqa: F811
     """Off the root a broadcast's host buffer is written by MPI, not packed: it must wait for
     the previous call's copy back to the device. The caller's stream is kept busy before each
     call, so on the stand-in that copy is still pending when the next one starts."""
@@ -141,39 +141,39 @@ def test_calls_back_to_back_never_overwrite_a_pending_copy(scomm, gpu):  # noqa:
         results = []
         for x in inputs:
             if scomm.rank != root:
-                busy = gpu.ones(4)
+                busy = any_gpu.ones(4)
                 for _ in range(60):
                     busy += 1
-            results.append(scomm.broadcast(gpu.asarray(x) if scomm.rank == root else gpu.zeros(
-                3001, "float32"), root))
+            mine = any_gpu.asarray(x) if scomm.rank == root else any_gpu.zeros(3001, "float32")
+            results.append(scomm.broadcast(mine, root))
         for got, want in zip(results, inputs, strict=True):
             np.testing.assert_array_equal(got.get(), want)
 
 
 @pytest.mark.gpu
-def test_async_collectives_and_a_blocking_one_behind_them(scomm, gpu):  # noqa: F811
+def test_async_collectives_and_a_blocking_one_behind_them(scomm, any_gpu):  # noqa: F811
     n = scomm.size
-    a = gpu.full(100, float(scomm.rank))
-    handles = [scomm.allreduce_async(a), scomm.reduce_scatter_async(gpu.ones(4 * n))]
-    np.testing.assert_array_equal(scomm.allgather(gpu.ones(2)).get(), np.ones(2 * n))
+    a = any_gpu.full(100, float(scomm.rank))
+    handles = [scomm.allreduce_async(a), scomm.reduce_scatter_async(any_gpu.ones(4 * n))]
+    np.testing.assert_array_equal(scomm.allgather(any_gpu.ones(2)).get(), np.ones(2 * n))
     np.testing.assert_array_equal(handles[0].wait().get(), np.full(100, n * (n - 1) / 2))
     np.testing.assert_array_equal(handles[1].wait().get(), np.full(4, float(n)))
 
 
 @pytest.mark.gpu
 @pytest.mark.mpi(min_size=2)
-def test_send_recv(scomm, gpu):  # noqa: F811
-    x = gpu.asarray(rank_input(5, 0, (2048,), "float16"))
-    parts = [gpu.arange(3.0), gpu.ones((2, 2))]
+def test_send_recv(scomm, any_gpu):  # noqa: F811
+    x = any_gpu.asarray(rank_input(5, 0, (2048,), "float16"))
+    parts = [any_gpu.arange(3.0), any_gpu.ones((2, 2))]
     if scomm.rank == 0:
         scomm.send(x, peer=1)
-        got = scomm.recv(gpu.empty_like(x), peer=1)
+        got = scomm.recv(any_gpu.empty_like(x), peer=1)
         np.testing.assert_array_equal(got.get(), x.get())
         scomm.send(parts, peer=1)
     elif scomm.rank == 1:
-        got = scomm.recv(gpu.empty_like(x), peer=0)
+        got = scomm.recv(any_gpu.empty_like(x), peer=0)
         scomm.send(got, peer=0)
-        a, b = scomm.recv([gpu.empty(3), gpu.empty((2, 2))], peer=0)
+        a, b = scomm.recv([any_gpu.empty(3), any_gpu.empty((2, 2))], peer=0)
         np.testing.assert_array_equal(a.get(), np.arange(3.0))
         np.testing.assert_array_equal(b.get(), np.ones((2, 2)))
 

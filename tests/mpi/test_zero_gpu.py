@@ -1,9 +1,10 @@
 """ZeRO levels on CuPy arrays (NCCL, and MPI staged through the host) match the CPU result.
 
-Skipped collectively without a GPU per rank (see test_nccl.gpu); on the CuPy/NCCL stand-in
-(tests/standin, tests/test_gpu_standin.py) they run everywhere. Tolerance as in test_zero for
-float64 (rtol 1e-9): cuBLAS sums in another order than numpy's BLAS, which is the same kind of
-difference as splitting the batch.
+The MPI cases need a GPU visible to every rank (ranks may share one); the NCCL cases a GPU per
+rank (see test_nccl). Skips are collective. On the CuPy/NCCL stand-in (tests/standin,
+tests/standin_tests/test_standin_gpu_side.py) they run everywhere. Tolerance as in test_zero
+for float64 (rtol 1e-9): cuBLAS sums in another order than numpy's BLAS, which is the same kind
+of difference as splitting the batch.
 """
 
 import dataclasses
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import same_on_every_rank
 from mpi4py import MPI
-from test_nccl import collective_skip, cp, gpu  # noqa: F401  (fixtures)
+from test_nccl import any_gpu, cp, skip_unless_nccl_per_rank  # noqa: F401  (fixtures)
 from test_zero import GLOBAL_BATCH, MODELS, STEPS, data, make_config
 
 from meta_dist import MPIConnector
@@ -32,8 +33,10 @@ def gpu_config(level, backend, **extra):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["nccl", "mpi"])
 @pytest.mark.parametrize("level", [0, 1, 2, 3])
-def test_gpu_training_matches_cpu(connector, gpu, backend, level):  # noqa: F811
-    cupy = gpu
+def test_gpu_training_matches_cpu(connector, any_gpu, backend, level):  # noqa: F811
+    if backend == "nccl":
+        skip_unless_nccl_per_rank(connector)
+    cupy = any_gpu
     select_device(connector.local_rank)
     world = DistContext(MPIConnector(abort_on_exception=False), backend=backend)
     alone = DistContext(MPIConnector(MPI.COMM_SELF, abort_on_exception=False), backend="mpi")

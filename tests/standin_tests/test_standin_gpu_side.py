@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu_standin
 GPU_TESTS = ["tests/mpi/test_nccl.py", "tests/mpi/test_zero_gpu.py", "tests/mpi/test_staging.py"]
 SUITE_TIMEOUT_S = 300
 STALL_TIMEOUT_S = 3  # tests/scripts/nccl_stall.py's
-NO_GPU_SKIP = re.compile(r"SKIPPED.*(needs NCCL and a GPU|needs a GPU per rank|needs cupy)")
+NO_GPU_SKIP = re.compile(r"SKIPPED.*(needs NCCL and a GPU|needs a GPU|needs cupy)")
 
 
 def standin_job_env(tmp_path, **extra):
