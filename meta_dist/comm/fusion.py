@@ -1,9 +1,10 @@
 """Fusion: the buffers a communicator packs lists into, the results it makes, and the copies.
 
-Imports numpy and meta_dist.comm.checks / xp; cupy only through the arrays' module (and cupyx
-for pinned host memory). ``comm.plans`` asks it for flat buffers: a list is packed into one
-reused buffer and unpacked after the collective, unless it already lies back to back in one
-(then that memory is the buffer); results made for ``out=None`` are views of one new buffer.
+Imports numpy and meta_dist.comm.checks / streams / xp; cupy only through the arrays' module
+(and cupyx for pinned host memory). ``comm.plans`` asks it for flat buffers: a list is packed
+into one reused buffer and unpacked after the collective, unless it already lies back to back
+in one (then that memory is the buffer); results made for ``out=None`` are views of one new
+buffer.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 
 from meta_dist.comm import checks
 from meta_dist.comm.checks import flat_view
+from meta_dist.comm.streams import mark
 from meta_dist.xp import array_module, is_cupy_array, split_buffer
 
 RECYCLE_MIN_BYTES, RECYCLED_BUFFERS = 2**20, 2  # results recycled from this size; how many
@@ -127,7 +129,8 @@ class Fusion:
         if type(src) is np.ndarray and is_cupy_array(dst):
             dst.set(np.ascontiguousarray(src))  # asynchronous: buffer() waits for it
             with self._lock:  # one stream: the newest event covers every older copy
-                self._copied = array_module(dst).cuda.get_current_stream().record()
+                cupy = array_module(dst)
+                self._copied = mark(cupy, cupy.cuda.get_current_stream())
         else:
             dst[...] = src
 

@@ -1,8 +1,9 @@
 """NcclCommunicator: collectives on CuPy arrays through NCCL (``cupy.cuda.nccl``).
 
-Imports meta_dist.comm.base / streams, meta_dist.connector, meta_dist.gpus and meta_dist.watchdog;
-cupy only inside functions, so this module imports where cupy is missing (``meta_dist.gpus``
-says why NCCL cannot run). Imported lazily by ``meta_dist.comm.make_communicator``.
+Imports meta_dist.comm.base / checks / streams, meta_dist.connector, meta_dist.gpus and
+meta_dist.watchdog; cupy only inside functions, so this module imports where cupy is missing
+(``meta_dist.gpus`` says why NCCL cannot run). Imported lazily by
+``meta_dist.comm.make_communicator``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from meta_dist.comm.base import Communicator
+from meta_dist.comm.checks import DTYPES
+from meta_dist.comm.streams import mark
 from meta_dist.connector import MPIConnector
 from meta_dist.errors import UsageError
 from meta_dist.gpus import gpu_survey, nccl_version, ranks_problem
@@ -146,9 +149,11 @@ class NcclCommunicator(Communicator):
         self._cupy, self._nccl, self._comm = cupy, nccl, comm
         self.version = nccl_version() or (0, 0, 0)
         new = self.version >= AVG_AND_BF16_VERSION
-        self._dtypes = {name: getattr(nccl, code, NCCL_H[code])
-                        for name, code in NCCL_DTYPE_NAMES.items()
-                        if name != "bfloat16" or new}
+        # keyed by the dtype itself: dtype.name is Python code in numpy (about 3.4 us a call on
+        # an H200's host, several calls per collective), a dict lookup by dtype is not
+        self._dtypes = {dtype: getattr(nccl, NCCL_DTYPE_NAMES[dtype.name],
+                                       NCCL_H[NCCL_DTYPE_NAMES[dtype.name]])
+                        for dtype in DTYPES if dtype.name != "bfloat16" or new}
         self._ops = {name: getattr(nccl, code, NCCL_H[code])
                      for name, code in NCCL_OP_NAMES.items()}
         if not new or self.size == 1:  # no ncclAvg (a sum the base divides), or one rank
@@ -199,7 +204,7 @@ class NcclCommunicator(Communicator):
     def _barrier(self) -> None:
         token = self._token
         done = self._launch("barrier", (token,), 1, lambda s: self._comm.allReduce(
-            token.data.ptr, token.data.ptr, 1, self._dtypes["float32"], self._ops["sum"], s))
+            token.data.ptr, token.data.ptr, 1, self._dt(token), self._ops["sum"], s))
         self._host_wait(done)  # a barrier returns only when every rank has arrived
 
     def _close_backend(self) -> None:
@@ -207,7 +212,8 @@ class NcclCommunicator(Communicator):
             return
         try:
             if not self._aborted:
-                self._host_wait(self._stream.record())  # destroy would block on unfinished work
+                # destroy would block on unfinished work
+                self._host_wait(mark(self._cupy, self._stream))
                 self._comm.destroy()
         except Exception as error:
             self._abort()
@@ -236,7 +242,7 @@ class NcclCommunicator(Communicator):
                     f"{api}: array is on GPU {a.device.id} (rank {self.rank}); expected GPU "
                     f"{self.device}, this rank's (local_rank % gpu_count()); allocate it under "
                     f"cupy.cuda.Device({self.device})")
-            if a.dtype.name not in self._dtypes:
+            if a.dtype not in self._dtypes:
                 raise TypeError(
                     f"{api}: {a.dtype.name} needs NCCL >= 2.10; got NCCL "
                     f"{'.'.join(map(str, self.version))}; install a newer nvidia-nccl wheel, "
@@ -268,14 +274,14 @@ class NcclCommunicator(Communicator):
         with self._cupy.cuda.Device(self.device):
             current = self._cupy.cuda.get_current_stream()
             if current.ptr != self._stream.ptr:  # called outside _stream_for (barrier, close)
-                self._stream.wait_event(current.record())
+                self._stream.wait_event(mark(self._cupy, current))
             try:
                 enqueue(self._stream.ptr)
             except Exception as error:
                 self._abort()
                 raise RuntimeError(f"nccl {api} failed on rank {self.rank}: {_describe(error)}; "
                                    f"{ABORTED}") from error
-            done = self._stream.record()
+            done = mark(self._cupy, self._stream)
         while self._in_flight and self._in_flight[0][0].done:
             self._in_flight.popleft()
         watchdog = self._threads.watchdog
@@ -317,4 +323,4 @@ class NcclCommunicator(Communicator):
                 pass
 
     def _dt(self, arr: Any) -> int:
-        return self._dtypes[arr.dtype.name]
+        return self._dtypes[arr.dtype]
