@@ -61,9 +61,10 @@ class DistConfig(_Validated):
             sharded too) or 3 (parameters sharded too, gathered just in time).
         bucket_size_mb: Gradient bucket size in MiB, as PyTorch DDP's ``bucket_cap_mb``.
         overlap_comm: Reduce full buckets on a communication thread while backward continues;
-            null decides per run: on with a GPU (NCCL runs on a stream of its own) or when
-            every rank has a spare CPU core for the thread, off otherwise (a thread that must
-            share the rank's only core slows the step down).
+            null decides per run: off on one rank (nothing to overlap), else on with a GPU
+            (NCCL runs on a stream of its own) or when every rank has a spare CPU core for the
+            thread, off otherwise (a thread that must share the rank's only core slows the
+            step down).
         backend: ``auto``, ``mpi`` or ``nccl``.
         device: ``auto``, ``cpu`` or ``cuda``.
         seed: Seed for parameter init and data order; the same on every rank.

@@ -380,6 +380,17 @@ def test_data_parallel_batch_must_split(contexts):
                    "float64", softmax_cross_entropy)
 
 
+def test_overlap_left_to_decide_is_off_on_one_rank(contexts):
+    """overlap_comm null: one rank has nothing to overlap (its collectives move nothing), so no
+    communication thread, whatever the cores; a setting given is kept."""
+    _, alone = contexts
+    for setting, want in ((None, False), (True, True), (False, False)):
+        trainer = trainer_on(alone, "classifier", make_config(2, "sgd", "float64",
+                                                              overlap=setting),
+                             "float64", softmax_cross_entropy)
+        assert trainer.overlap is want and trainer.stage.overlap is want, setting
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("bucket_mb", [25.0, 1e-3, 2e-4])
 def test_zero2_staging_is_bounded_by_the_bucket_size(contexts, overlap, bucket_mb):
