@@ -312,3 +312,30 @@ def test_bfloat16_arrays(cupy):
     assert a.dtype == np.dtype(ml_dtypes.bfloat16)
     assert math.isclose(float((a * 2).sum()), 12.0)
     assert a.view(cupy.uint16).dtype == np.uint16
+
+
+def test_scatter_add_accumulates_and_refuses_bfloat16(cupy):
+    """cupyx.scatter_add (reference/generated/cupyx.scatter_add.html): ``a[slices] += value``
+    with repeated indices accumulating, as numpy's add.at. CuPy's add.at takes int32, int64,
+    float16, float32, float64, uint32 and uint64 only: CuPy 14.2 on an H200 raised TypeError
+    "cupy.add.at only supports ... as data type" for bfloat16. Also meta_dist's Embedding, which
+    sums bfloat16 rows in float32 on the GPU and rounds once."""
+    import cupyx
+
+    from meta_dist.nn.embedding import _scatter_add
+
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    ids = cupy.asarray(np.array([0, 2, 0, 0], np.int64))
+    rows = np.arange(1, 9, dtype=np.float32).reshape(4, 2)
+    out = cupy.zeros((3, 2), cupy.float32)
+    cupyx.scatter_add(out, ids, cupy.asarray(rows))
+    want = np.zeros((3, 2), np.float32)
+    np.add.at(want, ids.get(), rows)
+    np.testing.assert_array_equal(out.get(), want)
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    with pytest.raises(TypeError, match=r"cupy.add.at only supports .* as data type"):
+        cupyx.scatter_add(cupy.zeros((3, 2), bf16), ids, cupy.asarray(rows.astype(bf16)))
+    many = np.full(300, 1.0 + 2.0**-7, np.float32)  # bfloat16 rounds each add on its own
+    out = cupy.zeros((1, 1), bf16)
+    _scatter_add(out, cupy.zeros(300, cupy.int64), cupy.asarray(many.astype(bf16)[:, None]))
+    assert out.get()[0, 0] == np.float32(many.astype(bf16).astype(np.float32).sum()).astype(bf16)

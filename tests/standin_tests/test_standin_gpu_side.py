@@ -70,3 +70,20 @@ def test_stalled_nccl_ends_the_job_on_standin(mode, extra, said, tmp_path):
     assert re.search(said, result.output), str(result)
     assert "unreachable" not in result.output, str(result)
     assert took < STALL_TIMEOUT_S + 10, f"took {took:.1f} s\n{result}"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_train_gpt_runs_on_the_gpu_on_standin(precision, tmp_path):
+    """scripts/distributed/train_gpt.py on CuPy arrays and NCCL, as a real H200 first ran it:
+    its evaluation once allreduced host numbers through the NCCL communicator (a TypeError),
+    and in bf16 the embedding's backward asked CuPy's add.at for bfloat16, which it refuses
+    (the stand-in's cupyx.scatter_add refuses it too)."""
+    result = run(2, ["scripts/distributed/train_gpt.py", "--config", "configs/gpt-tiny.yaml",
+                     "max_steps=2", "eval_every=2", "warmup_steps=1", "device=cuda", "backend=nccl",
+                     f"precision={precision}", "zero_opt_level=3"],
+                 timeout=SUITE_TIMEOUT_S, env=standin_job_env(tmp_path))
+    assert result.returncode == 0, str(result)
+    assert "GPU collectives: NCCL" in result.output, str(result)
+    found = re.findall(r"^step (\d+)  train loss [\d.]+  val loss \d+\.\d{4}  ", result.output,
+                       re.M)
+    assert [int(s) for s in found] == [0, 2], str(result)

@@ -124,6 +124,12 @@ def eye(N: int, M: int | None = None, k: int = 0, dtype: Any = float,  # noqa: N
 
 
 @register
+def tri(N: int, M: int | None = None, k: int = 0, dtype: Any = float) -> ndarray:  # noqa: N803
+    """Return a 2-D array with ones at and below diagonal ``k``."""
+    return _generated("kernel tri", np.tri(N, M, k, dtype=dtype))
+
+
+@register
 def array(obj: Any, dtype: Any = None, copy: bool | None = True, order: str = "K",
           subok: bool = False, ndmin: int = 0, *, blocking: bool = False) -> ndarray:
     """Return a device array made from ``obj`` (a device array, or anything numpy accepts).
