@@ -95,9 +95,37 @@ def finish(proc: subprocess.Popen, timeout: float) -> Result:
         output, _ = proc.communicate(timeout=timeout)
         return Result(proc.returncode, output, False)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the group this test started, nothing else
+        end_session(proc)
         output, _ = proc.communicate()
         return Result(proc.returncode, output, True)
+
+
+def session_processes(sid: int) -> list[int]:
+    """Return the pids of the live processes in session ``sid`` (read from /proc)."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if os.getsid(int(entry.name)) == sid:
+                    pids.append(int(entry.name))
+            except OSError:  # gone meanwhile
+                pass
+    return pids
+
+
+def end_session(proc: subprocess.Popen) -> None:
+    """Kill mpirun and every rank of a job from ``start``, and nothing else.
+
+    Open MPI's launcher puts each rank in a process group of its own, so killing mpirun's group
+    leaves the ranks running (a hung one for good); they all stay in the session ``start``
+    made for the job, which holds nothing else.
+    """
+    os.killpg(proc.pid, signal.SIGKILL)
+    for pid in session_processes(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def run(n: int, args: list[str], *, timeout: float = 300, hostfile: str | None = None,

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from mpirun import ROOT, finish, flavour, mpi_env, run, start
+from mpirun import ROOT, finish, flavour, mpi_env, run, session_processes, start
 
 
 def test_ping_pong_exact():
@@ -397,3 +397,19 @@ def test_a_trace_shows_every_ranks_phases_and_collectives(tmp_path):
         steps = [e for e in spans if e["name"] == "step"]
         assert all(steps[i]["ts"] < steps[i + 1]["ts"] for i in range(2))
 
+
+def test_a_job_past_its_time_is_ended_with_every_rank():
+    """The harness's time limit (tests/mpirun.py ``finish``, which gpu_check.py uses too) ends
+    mpirun and every rank: Open MPI gives each rank a process group of its own, so killing
+    mpirun's group alone left ranks running, a hung one for good."""
+    proc = start(2, ["-c", "import time; time.sleep(600)"], timeout=600)
+    deadline = time.monotonic() + 120
+    while len(session_processes(proc.pid)) < 3:  # mpirun and two ranks are up
+        assert time.monotonic() < deadline and proc.poll() is None, "the ranks never started"
+        time.sleep(0.1)
+    result = finish(proc, 0.1)
+    assert result.timed_out
+    deadline = time.monotonic() + 10
+    while session_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)  # SIGKILLed: gone as soon as the kernel reaps them
+    assert session_processes(proc.pid) == []

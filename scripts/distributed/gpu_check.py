@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
-from mpirun import launcher, mpi_env, run  # noqa: E402 - the test suite's launcher and environment
+from mpirun import finish, mpi_env, start  # noqa: E402 - the test suite's launcher, environment
 
 GPU_TESTS = ["tests/mpi/test_nccl.py", "tests/mpi/test_zero_gpu.py", "tests/mpi/test_staging.py"]
 STANDIN_BANNER = ("STAND-IN RUN: CuPy and NCCL are tests/standin's numpy model on the CPU; "
@@ -78,14 +78,14 @@ def job_env(standin: bool, devices: int, out: Path) -> dict[str, str]:
 def run_step(name: str, ranks: int, argv: list[str], env: dict, out: Path, timeout: float):
     """Run ``mpirun -np ranks python argv`` in the project root; write its output to out/name.
 
-    A step past ``timeout`` has its whole process group ended (tests/mpirun.py: mpirun and
-    every rank), so no rank of it holds a GPU while the next step runs.
+    A step past ``timeout`` is ended, mpirun and every rank (tests/mpirun.py ``end_session``),
+    so no rank of it holds a GPU while the next step runs.
 
     Returns (exit status, output text, seconds); the status of a step that timed out is 124.
     """
-    command = [*launcher(), "-np", str(ranks), sys.executable, *argv]
     started = time.monotonic()
-    result = run(ranks, argv, timeout=timeout, env=env)
+    proc = start(ranks, argv, timeout=timeout, env=env)
+    command, result = proc.args, finish(proc, timeout)
     status, text = (124 if result.timed_out else result.returncode), result.output
     if result.timed_out:
         text += f"\n[gpu_check: timed out after {timeout:g} s]"
