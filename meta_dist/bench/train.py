@@ -120,7 +120,8 @@ def parse_args(argv):
     p.add_argument("--blocks", type=int, default=5, help="the timed steps alternate in blocks")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="meta_dist_config overlap_comm (reduce buckets during backward); "
-                        "default: decided per run (on with a spare core or a GPU)")
+                        "default: decided per run (off on one rank, else on with a spare "
+                        "core or a GPU)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size (also DDP's cap)")
     p.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="fp32",
                    help="train_config precision (meta_dist only; torch stays fp32)")

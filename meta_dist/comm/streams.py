@@ -21,8 +21,8 @@ def mark(cupy: Any, stream: Any) -> Any:
     """Record and return a new event on ``stream`` that orders work and is never timed.
 
     Events made with timing disabled are the cheap kind for cudaStreamWaitEvent and
-    cudaEventQuery, which is all these are used for (CUDA C++ Best Practices Guide; CuPy's
-    ``Stream.record()`` would make a timing one).
+    cudaEventQuery, which is all these are used for (CUDA Runtime API, cudaEventCreateWithFlags:
+    cudaEventDisableTiming; CuPy's ``Stream.record()`` would make a timing one).
     """
     return stream.record(cupy.cuda.Event(disable_timing=True))
 

@@ -3,7 +3,9 @@
 Every skip is decided collectively (``connector.allgather``), so all ranks skip or none does.
 Without cupy only the failure tests run; with cupy but no GPU the unique id and version tests run
 too; the ``gpu`` tests need a GPU per rank, or NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1 to
-share one. GPU inputs are the numpy inputs of test_collectives, moved to the device.
+share one; the ``any_gpu`` ones (CuPy arrays through MPI, which needs no NCCL) a GPU visible to
+every rank, shared or not. GPU inputs are the numpy inputs of test_collectives, moved to the
+device.
 """
 
 import os

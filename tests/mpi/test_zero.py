@@ -13,6 +13,7 @@ import contextlib
 import math
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -30,6 +31,7 @@ from meta_dist.nn.losses import cross_entropy_tokens, mse_loss, softmax_cross_en
 from meta_dist.nn.model import Sequential
 from meta_dist.nn.norm import BatchNorm
 from meta_dist.train import Trainer
+from meta_dist.train.build import resolve_overlap
 from meta_dist.train.guard import NonFiniteError
 
 STEPS = 4
@@ -384,6 +386,7 @@ def test_overlap_left_to_decide_is_off_on_one_rank(contexts):
     """overlap_comm null: one rank has nothing to overlap (its collectives move nothing), so no
     communication thread, whatever the cores; a setting given is kept."""
     _, alone = contexts
+    assert resolve_overlap(None, types.ModuleType("cupy"), alone) is False  # a GPU's rule too
     for setting, want in ((None, False), (True, True), (False, False)):
         trainer = trainer_on(alone, "classifier", make_config(2, "sgd", "float64",
                                                               overlap=setting),
