@@ -9,7 +9,9 @@ A conftest imports the hooks by name, which registers them for its folder:
    no other; a rank that failed while its peers are still inside the test (waiting in a
    collective the failed rank left) ends the job after AGREE_TIMEOUT_S, as nothing else could;
 3. at the end rank 0 writes every test's outcome, per rank, to ``$META_DIST_SUITE_REPORT``
-   (JSON), which tests/mpirun.py's ``run_suite`` reads and the outer pytest summarises.
+   (JSON), which tests/mpirun.py's ``run_suite`` reads and the outer pytest summarises;
+4. a rank with a failed test waits OUTPUT_GRACE_S as it exits, so that its report reaches the
+   launcher before the job is aborted.
 Imports mpi4py only: the stand-in's tests use it without meta_dist.
 """
 
@@ -24,6 +26,7 @@ from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
 AGREE_TIMEOUT_S = 20.0  # how long a failed rank waits for its peers to finish the same test
+OUTPUT_GRACE_S = 1.0  # as meta_dist.failfast's: for the launcher to forward a report
 _agree = WORLD.Dup()  # collective: every rank imports the harness at start-up
 _outcomes: dict[str, dict] = {}  # nodeid -> {"outcome", "reason", "failed_on"} on this rank
 
@@ -95,3 +98,17 @@ def _write_report(every):
     with open(partial, "w") as out:
         json.dump({"size": WORLD.size, "tests": merged}, out)
     os.replace(partial, path)
+
+
+def pytest_unconfigure(config):
+    """Give a failed rank's report time to reach the launcher before the job is aborted.
+
+    ``python -m mpi4py`` turns a nonzero exit into MPI_Abort, and launchers tear the job down
+    without draining the ranks' pipes: a 3-rank stand-in run once ended "MPI_ABORT was invoked
+    on rank 2" with that rank's ``[rank 2] FAILED`` report and pytest summary lost. This is the
+    last hook pytest calls, after its summary is written.
+    """
+    if any(entry.get("outcome") == "failed" for entry in _outcomes.values()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        time.sleep(OUTPUT_GRACE_S)

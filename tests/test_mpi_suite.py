@@ -28,7 +28,7 @@ from mpi4py import MPI
 
 from mpi_harness import (  # noqa: F401
     pytest_collection_modifyitems, pytest_runtest_logreport, pytest_runtest_protocol,
-    pytest_sessionfinish)
+    pytest_sessionfinish, pytest_unconfigure)
 '''
 
 PLANTED_TESTS = '''
@@ -67,3 +67,5 @@ def test_a_failure_hides_no_other_test(tmp_path):
     assert "needs at least 3 ranks" in outcome["test_c_needs_three"]["reason"], outcome
     assert outcome["test_d_fails_everywhere"]["failed_on"] == [0, 1], outcome
     assert len(suite_failures(tests)) == 2
+    # each failing rank's own report reached the launcher before the job was aborted
+    assert "[rank 1] FAILED" in result.output and "planted failure" in result.output, str(result)

@@ -13,6 +13,7 @@ from mpi_harness import (  # noqa: F401 - registers the shared hooks here
     pytest_runtest_logreport,
     pytest_runtest_protocol,
     pytest_sessionfinish,
+    pytest_unconfigure,
 )
 
 
