@@ -95,33 +95,60 @@ def finish(proc: subprocess.Popen, timeout: float) -> Result:
         output, _ = proc.communicate(timeout=timeout)
         return Result(proc.returncode, output, False)
     except subprocess.TimeoutExpired:
-        end_session(proc)
+        end_job(proc)
         output, _ = proc.communicate()
         return Result(proc.returncode, output, True)
 
 
-def session_processes(sid: int) -> list[int]:
-    """Return the pids of the live processes in session ``sid`` (read from /proc)."""
-    pids = []
+def _stat(pid: int | str) -> list[str] | None:
+    """Return /proc/pid/stat's fields after the command name (state, ppid, ...), or None."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):  # gone meanwhile
+        return None
+
+
+def command_line(pid: int) -> str:
+    """Return process ``pid``'s command line, arguments joined by spaces ("" once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+            errors="replace")
+    except OSError:
+        return ""
+
+
+def running(pid: int) -> bool:
+    """Return True while process ``pid`` exists and is not a zombie."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def job_processes(root: int) -> list[int]:
+    """Return ``root`` and every live process descended from it (read from /proc)."""
+    children: dict[int, list[int]] = {}
     for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if os.getsid(int(entry.name)) == sid:
-                    pids.append(int(entry.name))
-            except OSError:  # gone meanwhile
-                pass
-    return pids
+        fields = _stat(entry.name) if entry.name.isdigit() else None
+        if fields is not None and fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo += children.get(pid, [])
+    return found
 
 
-def end_session(proc: subprocess.Popen) -> None:
-    """Kill mpirun and every rank of a job from ``start``, and nothing else.
+def end_job(proc: subprocess.Popen) -> None:
+    """Kill mpirun and every process under it, and nothing else.
 
     Open MPI's launcher puts each rank in a process group of its own, so killing mpirun's group
-    leaves the ranks running (a hung one for good); they all stay in the session ``start``
-    made for the job, which holds nothing else.
+    left the ranks running (a hung one for good); MPICH's Hydra gives its proxy and each rank a
+    session of their own. Both keep them under the launcher, so the tree is read first (a
+    killed parent's children are adopted elsewhere) and then every process of it is killed.
     """
+    tree = job_processes(proc.pid)
     os.killpg(proc.pid, signal.SIGKILL)
-    for pid in session_processes(proc.pid):
+    for pid in tree:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

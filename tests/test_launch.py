@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from mpirun import ROOT, finish, flavour, mpi_env, run, session_processes, start
+from mpirun import ROOT, command_line, finish, flavour, job_processes, mpi_env, run, running, start
 
 
 def test_ping_pong_exact():
@@ -402,14 +402,19 @@ def test_a_job_past_its_time_is_ended_with_every_rank():
     """The harness's time limit (tests/mpirun.py ``finish``, which gpu_check.py uses too) ends
     mpirun and every rank: Open MPI gives each rank a process group of its own, so killing
     mpirun's group alone left ranks running, a hung one for good."""
-    proc = start(2, ["-c", "import time; time.sleep(600)"], timeout=600)
+    marker = "time.sleep(600)  # test_a_job_past_its_time"
+    proc = start(2, ["-c", f"import time; {marker}"], timeout=600)
+
+    def ranks():
+        return [pid for pid in job_processes(proc.pid)[1:]  # not mpirun: its arguments match
+                if marker in command_line(pid)]
+
     deadline = time.monotonic() + 120
-    while len(session_processes(proc.pid)) < 3:  # mpirun and two ranks are up
+    while len(started := ranks()) < 2:
         assert time.monotonic() < deadline and proc.poll() is None, "the ranks never started"
         time.sleep(0.1)
-    result = finish(proc, 0.1)
-    assert result.timed_out
+    assert finish(proc, 0.1).timed_out
     deadline = time.monotonic() + 10
-    while session_processes(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)  # SIGKILLed: gone as soon as the kernel reaps them
-    assert session_processes(proc.pid) == []
+    while any(map(running, started)) and time.monotonic() < deadline:
+        time.sleep(0.1)  # SIGKILLed: gone as soon as the kernel has taken them down
+    assert not any(map(running, started)), f"ranks {started} outlived the job's time limit"

@@ -78,7 +78,7 @@ def job_env(standin: bool, devices: int, out: Path) -> dict[str, str]:
 def run_step(name: str, ranks: int, argv: list[str], env: dict, out: Path, timeout: float):
     """Run ``mpirun -np ranks python argv`` in the project root; write its output to out/name.
 
-    A step past ``timeout`` is ended, mpirun and every rank (tests/mpirun.py ``end_session``),
+    A step past ``timeout`` is ended, mpirun and every rank (tests/mpirun.py ``end_job``),
     so no rank of it holds a GPU while the next step runs.
 
     Returns (exit status, output text, seconds); the status of a step that timed out is 124.
