@@ -49,7 +49,9 @@ def test_one_gpu_runs_the_tests_on_two_ranks_too_and_a_slow_step_is_ended(tmp_pa
     assert "| tests-shared (2 ranks) | ok |" in (out / "summary.md").read_text(), said[-3000:]
     shared = (out / "tests-shared.txt").read_text()
     assert " passed" in shared and " failed" not in shared, shared[-3000:]
-    assert "needs a GPU per rank" in shared and "test_staging.py" in shared, shared[-3000:]
+    assert "needs a GPU per rank" in shared, shared[-3000:]  # NCCL's tests skip, saying why
+    assert "SKIPPED" not in "".join(line for line in shared.splitlines(keepends=True)
+                                    if "test_staging.py" in line), shared[-3000:]
     slow = tmp_path / "slow"
     status, said = gpu_check(slow, "--ranks", "1", "--step-timeout", "0.5")
     summary = (slow / "summary.md").read_text()
