@@ -13,7 +13,11 @@ gradients). These ways to sum them across ranks are timed:
     (b2) fused into new arrays: ``meta_dist.allreduce(arrays)``;
     (c) per-array: ``meta_dist.allreduce(a, out=a)`` for each array;
     (a') raw, one Allreduce per array of the one-buffer list;
-    (d) fused, the one-buffer list in place: reduced as the buffer itself, no copy.
+    (d) fused, the one-buffer list in place: reduced as the buffer itself, no copy;
+    (e) the copies fusion cannot avoid, alone: ``np.concatenate`` into a reused buffer, one raw
+        Allreduce of it, and a copy back into each array (the floor of (b));
+    (e2) the same without the copy back, the views of a new result made instead (the floor of
+        (b2): its result buffer is recycled, see ``comm.fusion.Fusion.new_buffer``).
 One sample is one pass over all arrays. Passes of every variant alternate in blocks (barrier
 before each block, order rotated every block) so drift hits all alike; the time shown is the
 maximum over ranks of each rank's median pass. --no-check sets META_DIST_CHECK=0 before meta_dist
@@ -31,6 +35,7 @@ import time
 import numpy as np
 
 from meta_dist.lazy_mpi import MPI
+from meta_dist.xp import split_buffer
 
 
 def parse_args(argv):
@@ -50,6 +55,7 @@ def parse_args(argv):
 
 
 def main(argv):
+    """Time the variants and print the table and the summary (rank 0); return 0 if right."""
     args = parse_args(argv)
     if args.no_check:
         os.environ["META_DIST_CHECK"] = "0"  # read when the context's communicator is made
@@ -84,12 +90,28 @@ def main(argv):
     def fused_adjacent():
         meta_dist.allreduce(adjacent, out=adjacent)
 
+    packed = np.empty(int(sizes.sum()), np.float32)
+    shapes = [a.shape for a in arrays]
+
+    def copies_alone():
+        np.concatenate(arrays, out=packed)
+        world.Allreduce(MPI.IN_PLACE, packed, op=MPI.SUM)
+        for a, part in zip(arrays, split_buffer(packed, shapes), strict=True):
+            a[...] = part
+
+    def copies_alone_new():
+        np.concatenate(arrays, out=packed)
+        world.Allreduce(MPI.IN_PLACE, packed, op=MPI.SUM)
+        return split_buffer(packed, shapes)
+
     variants = {"(a) raw mpi4py, one Allreduce per array": raw,
                 "(b) meta_dist.allreduce(list), fused": fused,
                 "(b2) fused, new arrays (out=None)": fused_new,
                 "(c) meta_dist.allreduce, one call per array": per_array,
                 "(a') raw per array, arrays in one buffer": raw_adjacent,
-                "(d) fused, arrays in one buffer (no copy)": fused_adjacent}
+                "(d) fused, arrays in one buffer (no copy)": fused_adjacent,
+                "(e) pack, raw Allreduce, unpack: (b)'s floor": copies_alone,
+                "(e2) pack, raw Allreduce, views: (b2)'s floor": copies_alone_new}
     for run in variants.values():
         for _ in range(args.warmup):
             run()
@@ -130,7 +152,9 @@ def main(argv):
               f"{args.arrays} raw Allreduce calls ({times[names[1]] * 1e3:.2f} vs "
               f"{base * 1e3:.2f} ms), {times[names[4]] / times[names[5]]:.1f}x on arrays in one "
               f"buffer ({times[names[5]] * 1e3:.2f} vs {times[names[4]] * 1e3:.2f} ms); "
-              f"per-array meta_dist {base / times[names[3]]:.2f}x raw; "
+              f"per-array meta_dist {base / times[names[3]]:.2f}x raw; the copies alone "
+              f"{base / times[names[6]]:.1f}x in place, {base / times[names[7]]:.1f}x into new "
+              f"arrays (fused {base / times[names[2]]:.1f}x); "
               f"fused results {'right' if ok else 'WRONG'}")
     world.Free()
     meta_dist.shutdown()
