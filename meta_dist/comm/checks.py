@@ -186,15 +186,15 @@ def adjacent_run(arrays: list[Any], address: Callable[[Any], int] = data_ptr) ->
     """
     owner = memory_owner(arrays[0])
     numel, end = 0, None
-    for a in arrays:
-        if memory_owner(a) is not owner:
+    for a in arrays:  # per array as little as it can be: a list may hold thousands
+        if a.base is not owner and memory_owner(a) is not owner:  # numpy's views name the owner
             return None
         if a.size:
             start = address(a)
             if end is not None and start != end:
                 return None
             end = start + a.nbytes
-        numel += a.size
+            numel += a.size
     first = next((a for a in arrays if a.size), arrays[0])
     xp = array_module(first)
     return xp.lib.stride_tricks.as_strided(flat_view(first), shape=(numel,))

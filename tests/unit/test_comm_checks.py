@@ -99,5 +99,15 @@ def test_adjacent_run_spans_exactly_a_list_laid_back_to_back():
     assert checks.adjacent_run([gap[:4], gap[5:]]) is None  # one buffer, with a gap
 
 
+def test_adjacent_run_follows_views_whose_base_is_not_the_owner():
+    whole = np.frombuffer(bytearray(4 * 8), np.float32)  # owned by a buffer that is no array
+    arrays = [whole[:0], whole[:3], whole[3:5].reshape(1, 2), whole[5:]]
+    assert arrays[1].base is whole and checks.memory_owner(arrays[1]) is not whole
+    run = checks.adjacent_run(arrays)
+    assert run.shape == (8,) and data_ptr(run) == data_ptr(whole)
+    other = np.frombuffer(bytearray(4 * 8), np.float32)
+    assert checks.adjacent_run([whole[:3], other[3:5]]) is None  # another owner, same offsets
+
+
 def test_shape_rules():
     assert checks.same_arrays([1, 2], [1, 2]) and not checks.same_arrays([1], [1, 2])
