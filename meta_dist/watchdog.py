@@ -305,11 +305,20 @@ class StallWatchdog:
             lines.append("  waiting in it: " + ", ".join(
                 f"rank {r} for {s:.1f} s" for r, s in sorted(waiting.items())))
             absent = [r for r in others if r not in answers or answers[r]["seq"] < seq]
+            # in a collective of the same number but another name: the ranks' calls differ
+            elsewhere = [r for r in others if r in answers and any(
+                other_seq == seq and other != api for other, other_seq, _, _ in
+                answers[r]["current"])]
             if absent:
                 lines.append(f"  not arrived: rank{'s' if len(absent) > 1 else ''} "
                              + ", ".join(map(str, absent)))
                 lines += [_doing(r, answers.get(r)) for r in absent]
-            else:
+            if elsewhere:
+                lines.append(f"  in another collective: rank{'s' if len(elsewhere) > 1 else ''} "
+                             + ", ".join(map(str, elsewhere)) + " (the ranks' calls differ; "
+                             "META_DIST_CHECK=1 compares them before they run)")
+                lines += [_doing(r, answers.get(r)) for r in elsewhere]
+            if not absent and not elsewhere:
                 lines.append("  not arrived: none (every rank reached it: the MPI or NCCL call "
                              "itself is stuck, e.g. on the network)")
         lines.append("  some rank took another path (different control flow, an uneven last "

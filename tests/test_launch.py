@@ -261,6 +261,22 @@ def test_a_rank_that_does_not_arrive_is_named(mode, collective, doing):
     assert "unreachable" not in result.output
 
 
+def test_ranks_in_different_collectives_are_named():
+    """Without the per-call check, rank 2 calls barrier where ranks 0 and 1 allreduce, each
+    collective #2 on its rank: the report names rank 2 as in another collective, not as stuck
+    in the network with every rank arrived."""
+    env = mpi_env(META_DIST_STALL_TIMEOUT=str(STALL_S), META_DIST_CHECK="0")
+    result = run(3, ["tests/scripts/hang.py", "elsewhere"], timeout=120, env=env)
+    assert not result.timed_out and result.returncode != 0, str(result)
+    assert re.search(r"\[rank 0\] allreduce #2 \(numpy float64 \(4,\)\): waited", result.output), \
+        str(result)
+    assert re.search(r"waiting in it: rank 0 for [\d.]+ s, rank 1 for [\d.]+ s\n  in another "
+                     r"collective: rank 2 \(the ranks' calls differ", result.output), str(result)
+    assert re.search(r"rank 2 \(host \S+, pid \d+\): last completed allreduce #1 \(entered "
+                     r"[\d.]+ s ago\); now in barrier #2", result.output), str(result)
+    assert "not arrived" not in result.output and "unreachable" not in result.output
+
+
 def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     """Only rank 2 gets SIGTERM, during step 3: every rank stops after step 3 (they agree in
     the step's verdict exchange), the checkpoint of step 3 is written, one line says so, and

@@ -216,7 +216,7 @@ class Communicator(ABC):
         With META_DIST_CHECK=0 the ranks' collectives since the last comparison are compared
         here too (see ``verify_calls``).
         """
-        self._threads.run(self._barrier, "barrier")
+        self._threads.run(self._compared_barrier, "barrier")
         self.verify_calls()
 
     def verify_calls(self) -> None:
@@ -299,6 +299,11 @@ class Communicator(ABC):
         return self._threads.start(run, api, peer, arrays)
 
     # ---------------------------------------------------------------- steps of every plan
+
+    def _compared_barrier(self) -> None:
+        """Compare this call like a collective (a peer in allreduce would wait), then wait."""
+        self._fingerprint("barrier", [])
+        self._barrier()
 
     def _on_device(self, run: plans.Run, arrays: Any) -> plans.Run:
         """Place a call on CuPy arrays on this communicator's stream (``comm.streams``)."""

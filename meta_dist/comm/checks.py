@@ -76,7 +76,9 @@ def _diagnose(api: str, items: list[Any], is_list: bool) -> None:
 def check_op(api: str, op: Any, allowed: tuple[str, ...], dtype: np.dtype) -> None:
     """Raise unless ``op`` is one of ``allowed`` and fits ``dtype`` ("avg" needs floats)."""
     if not isinstance(op, str) or op not in allowed:
-        raise ValueError(f"{api}: unknown op; got {op!r}, expected one of {', '.join(allowed)}")
+        what = "op not supported here" if op in REDUCE_OPS else "unknown op"
+        raise ValueError(f"{api}: {what}; got {op!r}, expected one of {', '.join(allowed)}"
+                         + ("; use allreduce for it" if op in REDUCE_OPS else ""))
     if op == "avg" and dtype.kind != "f" and dtype.name != "bfloat16":
         raise TypeError(f"{api}: op 'avg' needs a floating dtype; got {dtype}; use op='sum' and "
                         "divide, or convert to float")
@@ -115,7 +117,7 @@ def outputs(api: str, out: Any, shapes: list[tuple[int, ...]], like: list[Any],
     inputs' dtype and kind, C-contiguous and writeable.
     """
     first = like[0]
-    if (type(out) is type(first) is np.ndarray and out.shape == shapes[0]
+    if (not is_list and type(out) is type(first) is np.ndarray and out.shape == shapes[0]
             and out.dtype == first.dtype and out.flags.c_contiguous and out.flags.writeable):
         return [out]  # the common case: one numpy array, every rule below holds
     outs = list(out) if isinstance(out, (list, tuple)) else [out]
@@ -171,11 +173,13 @@ def check_alias(api: str, send: Any, out: Any, rank: int,
         allowed = (first, last) == (start, stop)
     if not allowed:
         where, rule = {
-            "reduce_scatter": ("this rank's rows", f"send[{rank}*m:({rank}+1)*m]"),
-            "allgather": ("this rank's rows of out", f"send to be out[{rank}*m:({rank}+1)*m]"),
-        }.get(api, ("exactly", "send itself"))
-        raise ValueError(f"{api}: out overlaps send elsewhere than {where}; expected out to be "
-                         f"{rule} (in place) or separate memory")
+            "reduce_scatter": ("elsewhere than this rank's rows",
+                               f"out to be send[{rank}*m:{rank + 1}*m]"),
+            "allgather": ("elsewhere than this rank's rows of out",
+                          f"send to be out[{rank}*m:{rank + 1}*m]"),
+        }.get(api, ("without being send itself", "out to be send itself"))
+        raise ValueError(f"{api}: out overlaps send {where}; expected {rule} (in place) or "
+                         "separate memory")
 
 
 def adjacent_run(arrays: list[Any], address: Callable[[Any], int] = data_ptr) -> Any:

@@ -20,7 +20,9 @@ import numpy as np
 from meta_dist.lazy_mpi import MPI
 from meta_dist.xp import is_cupy_array
 
-KINDS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "send", "recv")
+KINDS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "send", "recv",
+         "barrier")
+NO_ARRAYS = np.empty(0, np.uint8)  # what a call without arrays (barrier) is fingerprinted by
 # What a rank that refused its own arguments sends: no call's pair, since codes are below 2**62.
 REFUSED_PAIR = np.array([1 << 62, 1 << 62], np.int64).tobytes()
 REFUSED_MARK = "refused "
@@ -75,7 +77,7 @@ class ConsistencyCheck:
 
         Collective: every rank calls it with its own arguments (or ``refuse``).
         """
-        first = arrays[0]
+        first = arrays[0] if arrays else NO_ARRAYS
         shapes = (first.shape,) if len(arrays) == 1 else tuple([a.shape for a in arrays])
         key = (api, op, root, first.dtype.char, type(first), shapes)
         found = self._pairs.get(key)
@@ -127,6 +129,8 @@ class ConsistencyCheck:
                 f"{api}: rank {', '.join(map(str, refused))} refused its arguments, so every rank "
                 f"abandons this call: {listing}; fix the arguments there")
         differ = [f for f in _FIELDS if len({repr(c[f]) for c in calls}) > 1]
+        if "collective" in differ:  # the rest differs as a consequence; the listing shows it
+            differ = ["collective"]
         fields = "; ".join(f"{f}: " + ", ".join(f"rank {r} {c[f]!r}" for r, c in enumerate(calls))
                            for f in differ)
         raise ValueError(
@@ -156,6 +160,9 @@ _FIELDS = ("collective", "op", "root", "dtype", "size", "shapes", "arrays")
 
 def _call(api: str, arrays: list[Any], op: str, root: int) -> dict[str, Any]:
     """Describe one rank's call field by field, for the message that names what differs."""
+    if not arrays:
+        return {"collective": api, "op": None, "root": None, "dtype": None, "size": 0,
+                "shapes": [], "arrays": None, "described": api}
     kind = "cupy " if is_cupy_array(arrays[0]) else ""
     shown = ", ".join(f"{kind}{a.dtype} {tuple(a.shape)}" for a in arrays)
     return {"collective": api, "op": op or None, "root": root if root >= 0 else None,

@@ -108,6 +108,7 @@ def broadcast(c: Communicator, buf: Any, root: int, out: Any) -> Run:
     """Plan ``Communicator.broadcast``."""
     bufs, is_list = inputs(c, "broadcast", buf)
     checks.check_rank("broadcast", "root", root, c.size)
+    root = int(root)  # a numpy integer (np.argmax's) would overflow in the fingerprint
     outs, fresh = outputs(c, "broadcast", out, bufs, None, is_list)
     c.traffic.count("broadcast", bufs)
 
@@ -128,6 +129,7 @@ def reduce(c: Communicator, send: Any, root: int, op: str, out: Any) -> Run:
     """Plan ``Communicator.reduce``."""
     sends, is_list = inputs(c, "reduce", send)
     checks.check_rank("reduce", "root", root, c.size)
+    root = int(root)
     checks.check_op("reduce", op, REDUCE_OPS, sends[0].dtype)
     is_root = c.rank == root
     outs, fresh = outputs(c, "reduce", out, sends, None, is_list) if is_root else (None, None)
@@ -171,7 +173,7 @@ def recv(c: Communicator, out: Any, peer: int) -> Run:
     """Plan ``Communicator.recv``: a sender whose header differs is drained, then refused."""
     outs, is_list = inputs(c, "recv", out)
     _check_peer(c, "recv", peer)
-    for o in outs:
+    for o in out if is_list else [out]:  # as given: inputs() copies a non-contiguous array
         checks.check_writable("recv", o)
     total, shapes, dtype = sum(map(_SIZE, outs)), [o.shape for o in outs], outs[0].dtype
 
@@ -182,8 +184,9 @@ def recv(c: Communicator, out: Any, peer: int) -> Run:
             sent, count = DTYPES[int(header[0])], int(header[1])
             if (sent, count, int(header[2])) != (dtype, total, shape_code(shapes)):
                 c._recv(c.fusion.private(outs[0], count, sent), peer)  # drain it
+                shaped = "" if int(header[2]) == shape_code(shapes) else " with other shapes"
                 raise ValueError(
-                    f"recv: rank {peer} sent {count} elements of {sent} with other shapes; "
+                    f"recv: rank {peer} sent {count} elements of {sent}{shaped}; "
                     f"this rank ({c.rank}) expected {total} elements of {dtype} shaped {shapes}; "
                     "send and recv must use the same shapes and dtype")
         if c.fusion.direct(outs):
@@ -225,8 +228,8 @@ def outputs(c: Communicator, api: str, out: Any, sends: list[Any],
 
     Returns the outputs, and the one flat buffer they are views of when made here (else None).
     """
-    if shapes is None and (out is sends[0] or (is_list and isinstance(out, (list, tuple))
-                                               and checks.same_arrays(list(out), sends))):
+    if shapes is None and ((out is sends[0] and not is_list) or (
+            is_list and isinstance(out, (list, tuple)) and checks.same_arrays(list(out), sends))):
         # in place: the inputs (contiguous, or they would be copies) take the result
         if not all(getattr(o.flags, "writeable", True) for o in sends):  # CuPy has no flag
             for o in sends:

@@ -9,6 +9,7 @@ Sizes include odd lengths; the "pairwise" reducer takes the pairwise exchange at
 """
 
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -151,6 +152,19 @@ def test_broadcast(comm, dtype):
             buf = inputs[comm.rank].copy()
             assert comm.broadcast(buf, root, out=buf) is buf
             np.testing.assert_array_equal(buf, inputs[root])
+
+
+def test_a_numpy_integer_is_a_root(comm):
+    """np.argmax gives np.int64: it used to overflow (a RuntimeWarning) in the cross-rank
+    fingerprint, which fails the call on any rank that treats warnings as errors."""
+    root = np.argmax(np.arange(comm.size))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = comm.broadcast(np.full(3, float(comm.rank)), root)
+        total = comm.reduce(np.ones(3), root)
+    np.testing.assert_array_equal(got, np.full(3, comm.size - 1.0))
+    if comm.rank == root:
+        np.testing.assert_array_equal(total, np.full(3, comm.size))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -106,16 +106,58 @@ def test_recv_of_wrong_shape_raises_and_drains(comm):
         comm.send(np.ones(8, np.float32), peer=1)
         comm.send(np.full(2, 5.0), peer=1)
     elif comm.rank == 1:
-        with pytest.raises(ValueError, match="rank 0 sent 8 elements of float32"):
+        with pytest.raises(ValueError, match="rank 0 sent 8 elements of float32 with other "
+                                             "shapes; this rank"):
             comm.recv(np.empty(4, np.float16), peer=0)
         np.testing.assert_array_equal(comm.recv(np.empty(2), peer=0), [5.0, 5.0])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_recv_names_only_what_differs_and_refuses_an_out_it_cannot_fill(comm):
+    """A sender of the same shapes in another dtype is not said to send other shapes; a
+    strided out is refused before anything is received (it used to receive into a copy and
+    leave out unwritten), and the message then waits for a right one."""
+    if comm.rank == 0:
+        comm.send(np.ones(4, np.float32), peer=1)
+        comm.send(np.arange(4.0), peer=1)
+    elif comm.rank == 1:
+        with pytest.raises(ValueError) as err:
+            comm.recv(np.empty(4), peer=0)
+        assert "rank 0 sent 4 elements of float32; this rank (1) expected 4 elements of " \
+               "float64" in str(err.value)
+        with pytest.raises(ValueError, match="recv: output buffer is not contiguous"):
+            comm.recv(np.zeros((4, 2))[:, 0], peer=0)
+        frozen = np.zeros(4)
+        frozen.flags.writeable = False
+        with pytest.raises(ValueError, match="recv: output buffer is read-only"):
+            comm.recv(frozen, peer=0)
+        np.testing.assert_array_equal(comm.recv(np.empty(4), peer=0), np.arange(4.0))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_barrier_meets_the_check_like_any_collective(comm):
+    """A barrier where the others call allreduce used to hang until the stall watchdog (the
+    barrier was not compared); now every rank raises at once, and a refusal on one rank while
+    the others wait in a barrier reaches them too."""
+    first = comm.rank == 0
+    with pytest.raises(ValueError, match=r"calls differ in collective \(collective: rank 0 "
+                                         r"'barrier', rank 1 'allreduce'.*rank 0: barrier; rank 1: "
+                                         r"allreduce of float64 \(4,\)"):
+        comm.barrier() if first else comm.allreduce(np.ones(4))
+    frozen = np.zeros(4)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only" if first else "barrier: rank 0 refused its "
+                                                                    "arguments"):
+        comm.allreduce(np.ones(4), out=frozen) if first else comm.barrier()
+    comm.barrier()
+    np.testing.assert_array_equal(comm.allreduce(np.ones(3)), np.full(3, comm.size))  # usable
 
 
 def test_bad_arguments(comm):
     x = np.ones(4 * comm.size, np.float32)
     with pytest.raises(ValueError, match="unknown op; got 'mean', expected one of sum, avg"):
         comm.allreduce(x, op="mean")
-    with pytest.raises(ValueError, match="unknown op; got 'max'"):
+    with pytest.raises(ValueError, match="op not supported here; got 'max'"):
         comm.reduce_scatter(x, op="max")
     with pytest.raises(TypeError, match="op 'avg' needs a floating dtype; got int32"):
         comm.allreduce(np.ones(3, np.int32), op="avg")
@@ -160,6 +202,15 @@ def test_bad_output_buffers(comm):
         comm.allreduce(x, out=np.zeros(8, np.float32)[::2])
     with pytest.raises(ValueError, match=r"out\[0\] has shape \(5,\)"):
         comm.allreduce(x, out=np.zeros(5, np.float32))
+    y = np.full(2, 7.0, np.float32)
+    for out in (x, np.zeros(4, np.float32)):  # one array for a list of two: refused, not half done
+        with pytest.raises(ValueError, match="out must match the input: 2 arrays in a list; got "
+                                             "ndarray of 1"):
+            comm.allreduce([x, y], out=out)
+    np.testing.assert_array_equal(y, np.full(2, 7.0))
+    rows = [np.ones(2 * comm.size), np.ones(2 * comm.size)]
+    with pytest.raises(ValueError, match="out must match the input"):
+        comm.reduce_scatter(rows, out=np.zeros(2))
     if comm.size > 1:  # every length divides by 1
         with pytest.raises(ValueError, match=f"7 rows along axis 0 .*size is {comm.size}"):
             comm.reduce_scatter(np.ones(7))

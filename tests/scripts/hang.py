@@ -7,7 +7,9 @@ Python (alive: its watchdog answers) while the others wait in an allreduce of a 
 ``gone``: it stops itself with SIGSTOP (its watchdog cannot answer). ``zero2``: training at
 ZeRO-2 with overlap, it loops in its loss function at step 3 while the others wait in a bucket's
 reduce-scatter on the communication thread; the timeout comes from meta_dist_config.stall_timeout
-(5 s) there. Prints ``unreachable`` where a rank outlives the stall.
+(5 s) there. ``elsewhere`` (run with META_DIST_CHECK=0, so no call is compared before it runs):
+it calls barrier while the others allreduce, both collective #2. Prints ``unreachable`` where a
+rank outlives the stall.
 """
 
 import os
@@ -47,6 +49,14 @@ if MODE in ("loop", "gone"):
         time.sleep(120)  # resumed: mpirun sends SIGCONT before it kills a stopped process
     else:
         comm.allreduce([np.ones(5, np.float32), np.ones((2, 3), np.float32)])
+elif MODE == "elsewhere":
+    comm = context.communicator("mpi")
+    comm.allreduce(np.ones(4))
+    hang_begins()
+    if last:
+        comm.barrier()
+    else:
+        comm.allreduce(np.ones(4))
 else:
     from meta_dist.config import load_config
     from meta_dist.nn.layers import Linear, Tanh

@@ -40,6 +40,9 @@ def test_op_rank_and_rows():
         checks.check_op("allreduce", "mean", checks.REDUCE_OPS, np.dtype(np.float32))
     with pytest.raises(ValueError, match="unknown op; got \\['sum'\\]"):
         checks.check_op("allreduce", ["sum"], checks.REDUCE_OPS, np.dtype(np.float32))
+    with pytest.raises(ValueError, match="reduce_scatter: op not supported here; got 'max', "
+                                         "expected one of sum, avg; use allreduce for it"):
+        checks.check_op("reduce_scatter", "max", checks.SCATTER_OPS, np.dtype(np.float32))
     with pytest.raises(TypeError, match="op 'avg' needs a floating dtype; got int32"):
         checks.check_op("allreduce", "avg", checks.REDUCE_OPS, np.dtype(np.int32))
     for bad in (-1, 4, True, 1.0, "0"):
@@ -59,6 +62,9 @@ def test_outputs_must_mirror_the_input():
     assert checks.outputs("op", out, [(4,)], like, False) == [out]
     with pytest.raises(ValueError, match=r"out must match the input: 1 array; got list of 2"):
         checks.outputs("op", [out, out], [(4,)], like, False)
+    with pytest.raises(ValueError, match=r"out must match the input: 2 arrays in a list; got "
+                                         r"ndarray of 1"):  # one array for a list of two
+        checks.outputs("op", out, [(4,), (4,)], like * 2, True)
     with pytest.raises(ValueError, match=r"out\[0\] has shape \(4,\) and dtype float32; "
                                          r"expected shape \(2,\)"):
         checks.outputs("op", out, [(2,)], like, False)
@@ -76,14 +82,16 @@ def test_alias_allows_exactly_the_in_place_spellings():
     send = np.zeros(8)
     checks.check_alias("allreduce", send, send[:], 1)  # the same memory: in place
     checks.check_alias("allreduce", send, np.zeros(8), 1)  # separate memory
-    with pytest.raises(ValueError, match="allreduce: out overlaps send elsewhere than exactly"):
+    with pytest.raises(ValueError, match="allreduce: out overlaps send without being send itself; "
+                                         "expected out to be send itself"):
         checks.check_alias("allreduce", send[:6], send[2:8], 1)
     checks.check_alias("reduce_scatter", send, send[2:4], 1)  # rank 1's rows of m = 2
     with pytest.raises(ValueError, match="elsewhere than this rank's rows; expected out to be "
-                                         r"send\[1\*m:\(1\+1\)\*m\]"):
+                                         r"send\[1\*m:2\*m\] \(in place\)"):
         checks.check_alias("reduce_scatter", send, send[1:3], 1)
     checks.check_alias("allgather", send[4:6], send, 2)  # send is rank 2's rows of out
-    with pytest.raises(ValueError, match="elsewhere than this rank's rows of out"):
+    with pytest.raises(ValueError, match=r"elsewhere than this rank's rows of out; expected send "
+                                         r"to be out\[2\*m:3\*m\] \(in place\)"):
         checks.check_alias("allgather", send[3:5], send, 2)
 
 
