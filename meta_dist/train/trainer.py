@@ -164,8 +164,8 @@ class Trainer:
             if trace is not None:
                 trace.end("forward", "phase", start)
                 start = trace.begin()
-            if scale != 1.0:
-                dout = dout * dout.dtype.type(scale)
+            if scale != 1.0:  # in float32, rounded once: 2**16 itself is inf in float16
+                dout = (dout.astype(np.float32) * np.float32(scale)).astype(dout.dtype)
             self.model.backward(dout)
             self.stage.end_micro()
             if trace is not None:

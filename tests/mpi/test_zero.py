@@ -681,19 +681,38 @@ def test_a_gpt_built_deferred_is_the_gpt_built_at_once(contexts, level):
 
 @pytest.mark.mpi(min_size=2)
 def test_fp16_overflow_skips_the_same_step_on_every_rank(contexts):
-    """A huge input row on the last rank overflows fp16 there only: every rank skips that
-    step, the loss scale halves everywhere, and training goes on with finite weights."""
+    """An infinite input feature on the last rank at step 2 leaves the loss finite (the first
+    tanh saturates) and the gradients not (inf * 0): every rank skips that step, the loss scale
+    halves everywhere, and training goes on with finite weights. (A finite huge row, 6e4, only
+    saturated the tanh: its gradient was zero, and the test passed only because the first step
+    overflowed at the initial scale, 2**16, which is inf in float16.)"""
     world, _ = contexts
     x, y, loss_fn = data("deep", "float32")
     x = x.copy()
     order = np.random.default_rng([0, 0]).permutation(len(x))
-    x[order[GLOBAL_BATCH + (world.size - 1) * (GLOBAL_BATCH // world.size)]] = 6e4
+    x[order[GLOBAL_BATCH + (world.size - 1) * (GLOBAL_BATCH // world.size)], 0] = np.inf
     trainer = trainer_on(world, "deep", half_config(1, "fp16", n_epoch=1), "float32", loss_fn)
     scale = trainer.scaler.scale
     trainer.fit(x, y)
     assert trainer.guard.skipped == 1 and trainer.scaler.scale == scale / 2
     assert same_on_every_rank(world.connector, np.array([trainer.scaler.scale]))
     assert np.isfinite(trainer.stage.full_params().astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("loss_scale", ["dynamic", 65536.0])
+def test_fp16_trains_at_the_initial_scale(contexts, loss_scale):
+    """The dynamic scale starts at 2**16 (PyTorch's GradScaler's too), which float16 cannot
+    hold: the scaled gradient is made in float32 and rounded once, so ordinary data skips no
+    step. Before, every run's first step was skipped, and a fixed scale of 65536 never
+    trained (NonFiniteError)."""
+    world, _ = contexts
+    x, y, loss_fn = data("deep", "float32")
+    config = half_config(2, "fp16", n_epoch=1, loss_scale=loss_scale)
+    trainer = trainer_on(world, "deep", config, "float32", loss_fn)
+    before = trainer.stage.full_params().astype(np.float32)
+    trainer.fit(x, y)
+    assert trainer.guard.skipped == 0 and trainer.scaler.scale == 2.0**16
+    assert (trainer.stage.full_params().astype(np.float32) != before).any()
 
 
 @pytest.mark.mpi(min_size=2)
