@@ -244,6 +244,10 @@ class Trainer:
         tcfg = self.config.train
         history = []
         n_epoch = -(-self.total_steps // sampler.steps_per_epoch)
+        if self.steps_done >= self.total_steps:  # resumed from a finished run's last checkpoint
+            self._print(f"the run is complete: {self.steps_done} of {self.total_steps} steps "
+                        "taken; nothing to train")
+            return history
         for epoch in range(first_epoch, n_epoch):
             start, total, ran = time.perf_counter(), self.xp.zeros((), np.float64), 0
             for step, index in enumerate(sampler.epoch(epoch), 1):

@@ -3,6 +3,7 @@ size and level), bad checkpoints fail on every rank before anything changes, and
 writes the live model's parameters."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -74,6 +75,24 @@ def test_a_resumed_run_equals_the_uninterrupted_one(world, shared_dir, level, op
     if precision == "fp16":
         assert resumed.scaler.state_dict() == whole.scaler.state_dict()
     assert same_on_every_rank(world.connector, resumed.stage.full_params())
+
+
+def test_resuming_a_finished_run_trains_no_further(world, shared_dir):
+    """max_steps 4 ends mid-epoch 2 (3 steps an epoch), its last checkpoint at step 4: a job
+    requeued with resume_from latest takes no step (it used to take a fifth and save it)."""
+    x, y = data()
+    first = trainer(world, 2, checkpoint_dir=shared_dir, checkpoint_every=2, max_steps=4)
+    first.fit(x, y)
+    lines = []
+    resumed = trainer(world, 2, checkpoint_dir=shared_dir, checkpoint_every=2, max_steps=4,
+                      resume_from="latest")
+    resumed.log = _Lines(lines) if world.rank == 0 else None
+    assert resumed.fit(x, y) == [] and resumed.steps_done == 4
+    np.testing.assert_array_equal(resumed.stage.full_params(), first.stage.full_params())
+    saved = sorted(p.name for p in Path(shared_dir).glob("step-*"))
+    assert saved == ["step-00000002", "step-00000004"], saved
+    if world.rank == 0:
+        assert lines[-1] == "the run is complete: 4 of 4 steps taken; nothing to train"
 
 
 def test_resume_continues_with_the_next_batch_and_says_so(world, shared_dir):
