@@ -175,8 +175,9 @@ class Linear(Layer):
 
         Each block is valid until the next is read: the bias first (it lies below the weight in
         the flat buffer, so its bucket is the weight's first), then x @ W as the sum of
-        x[:, rows] @ W[rows], added up in float32 when the layer computes in 16 bits (as one
-        product would).
+        x[:, rows] @ W[rows], added up in float32 when the layer computes in 16 bits, and
+        returned in the dtype one product gives (numpy's bfloat16 product is float32, CuPy's
+        bfloat16): every ZeRO level computes in the same precision.
         """
         xp = array_module(x2)
         bias = None
@@ -194,7 +195,7 @@ class Linear(Layer):
                 out += part
         if bias is not None:
             out += bias
-        return out.astype(x2.dtype) if wide else out
+        return out.astype(part.dtype) if wide else out
 
     def backward(self, dout):
         """Write dW = x.T @ dout and db = dout.sum(0) in place; return dout @ W.T.
@@ -213,9 +214,12 @@ class Linear(Layer):
         weight = self.params["weight"]
         if not isinstance(weight, ParamBlocks):
             return (d2 @ weight.T).reshape(*dout.shape[:-1], self.in_features)
-        dx = array_module(d2).empty((d2.shape[0], self.in_features), d2.dtype)
+        dx = None
         for first, stop, w in weight.blocks():  # dx[:, rows] = dout @ W[rows].T
-            dx[:, first:stop] = d2 @ w.T
+            part = d2 @ w.T
+            if dx is None:  # in the dtype one product gives, as forward
+                dx = array_module(d2).empty((d2.shape[0], self.in_features), part.dtype)
+            dx[:, first:stop] = part
         return dx.reshape(*dout.shape[:-1], self.in_features)
 
 

@@ -393,3 +393,26 @@ def test_a_blocked_16_bit_linear_adds_its_blocks_in_float32():
     blocked = layer.forward(x)
     assert blocked.dtype == np.float16
     assert np.abs(blocked - exact).max() <= 1.5 * whole
+
+
+def test_a_blocked_bfloat16_linear_gives_what_one_product_gives():
+    """numpy's bfloat16 product (ml_dtypes) is float32, so levels 0-2 compute on in float32
+    after a Linear; the blocked forward and backward (level 3) give the same dtype and values
+    (they gave bfloat16, rounding every layer's output: 8x the drift from one process)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from meta_dist.nn.grad_blocks import ParamBlocks
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    rng = np.random.default_rng(5)
+    layer = Linear(256, 64, rng=rng, dtype=bf16)
+    weight, bias = layer.params["weight"].copy(), layer.params["bias"].copy()
+    x = rng.standard_normal((16, 256)).astype(bf16)
+    dout = rng.standard_normal((16, 64)).astype(bf16)
+    whole, whole_dx = layer.forward(x), layer.backward(dout)
+    spans = [(r, r + 16) for r in range(0, 256, 16)]
+    layer.params["weight"] = ParamBlocks(weight.shape, spans, lambda a, b: weight[a:b])
+    layer.params["bias"] = ParamBlocks(bias.shape, [(0, 64)], lambda a, b: bias[a:b])
+    blocked, blocked_dx = layer.forward(x), layer.backward(dout)
+    assert blocked.dtype == whole.dtype and blocked_dx.dtype == whole_dx.dtype
+    np.testing.assert_allclose(blocked, whole, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(blocked_dx, whole_dx)  # each block's rows: one product
