@@ -74,7 +74,8 @@ class Communicator(ABC):
                      "watchdog": stall_timeout is not None, **self._call_settings()})
         self._check_comm = connector.comm.Dup()
         self._consistency = ConsistencyCheck(self._check_comm, every_call=check)
-        self._threads = CommThreads(connector, thread_level, stall_timeout, self._worker_started)
+        self._threads = CommThreads(connector, thread_level, stall_timeout, self._worker_started,
+                                    p2p_apart=self._async_p2p_problem() is None)
         self.stream = CommStream()  # where calls on CuPy arrays run (see comm.streams)
         self.fusion = Fusion(self._address, self.stages_device_arrays)
         self.traffic = plans.Traffic(self.size)  # bytes each operation moved; see plans.Traffic
@@ -276,17 +277,20 @@ class Communicator(ABC):
         they raise there at once, naming the refusal (see ``ConsistencyCheck.refuse``).
         """
         try:
-            run = make(self, *args)
+            run, device = self._made(make, *args)
         except Exception as error:  # anything refused before the check
             if self.size > 1 and self.check and not self.closed:
                 reason = f"{type(error).__name__}: {error}"
                 self._threads.run(lambda: self._consistency.refuse(api, reason), api)
             raise
-        return self._on_device(run if self.check else advised(run, api), args[0])
+        if not self.check:
+            run = advised(run, api)
+        return run if device is None else self.stream.place(run, device.id)
 
     def _p2p(self, make: Callable[..., plans.Run], arrays: Any, peer: int) -> plans.Run:
         """Plan a send or receive. Only two ranks take part: a refusal is this rank's alone."""
-        return self._on_device(make(self, arrays, peer), arrays)
+        run, device = self._made(make, arrays, peer)
+        return run if device is None else self.stream.place(run, device.id)
 
     def _start_p2p(self, api: str, make: Callable[..., plans.Run], arrays: Any,
                    peer: int) -> Handle:
@@ -305,12 +309,21 @@ class Communicator(ABC):
         self._fingerprint("barrier", [])
         self._barrier()
 
-    def _on_device(self, run: plans.Run, arrays: Any) -> plans.Run:
-        """Place a call on CuPy arrays on this communicator's stream (``comm.streams``)."""
+    def _made(self, make: Callable[..., plans.Run], *args: Any) -> tuple[plans.Run, Any]:
+        """Return ``make(self, *args)`` and the GPU of its arrays (None: host arrays).
+
+        A call on CuPy arrays is planned, and later run (``comm.streams``), on the arrays' GPU,
+        whichever device is current: what the plan makes (results for ``out=None``,
+        contiguous copies) lands there.
+        """
+        arrays = args[0]
         if type(arrays) is np.ndarray:  # the common case, decided in one type test
-            return run
-        first = arrays[0] if isinstance(arrays, (list, tuple)) else arrays
-        return self.stream.place(run) if is_cupy_array(first) else run
+            return make(self, *args), None
+        first = arrays[0] if isinstance(arrays, (list, tuple)) and arrays else arrays
+        if not is_cupy_array(first):
+            return make(self, *args), None
+        with first.device:
+            return make(self, *args), first.device
 
     def _average(self, flat: Any, op: str) -> None:
         """Divide sums by size for op "avg": the only place gradients get averaged."""

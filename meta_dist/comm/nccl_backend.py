@@ -101,8 +101,11 @@ class NcclCommunicator(Communicator):
     every thread's stack, aborts the NCCL communicator and ends the job (MPI_Abort). The
     communicator's creation (ncclCommInitRank waits for every rank) is watched the same way.
 
-    Each rank uses GPU ``local_rank % gpu_count()`` (respecting CUDA_VISIBLE_DEVICES). Ranks
-    may share a GPU only with NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1 (experimental).
+    Each rank uses GPU ``local_rank % gpu_count()`` (respecting CUDA_VISIBLE_DEVICES), whichever
+    device is current when a call is made or its result taken. Ranks may share a GPU only with
+    NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1 (experimental). ``send`` and ``recv`` run in
+    order with the collectives (NCCL takes one thread at a time per communicator): a blocking
+    one waits for the asynchronous collectives started before it.
 
     Args:
         connector: the MPI world; carries the unique id and the collective checks.
@@ -159,7 +162,7 @@ class NcclCommunicator(Communicator):
         if not new or self.size == 1:  # no ncclAvg (a sum the base divides), or one rank
             self._ops["avg"] = self._ops["sum"]
         self._stream = cupy.cuda.Stream(non_blocking=True) if stream is None else stream
-        self.stream.stream = self._stream  # calls on CuPy arrays run there (comm.streams)
+        self.stream.streams[self.device] = self._stream  # calls run there (comm.streams)
         self._token = cupy.zeros(1, cupy.float32)  # barrier's one-element allreduce
         # (done event, arrays it uses, operation, its sequence number (None: point to point),
         # when it was enqueued), oldest first
@@ -212,8 +215,10 @@ class NcclCommunicator(Communicator):
             return
         try:
             if not self._aborted:
-                # destroy would block on unfinished work
-                self._host_wait(mark(self._cupy, self._stream))
+                # destroy would block on unfinished work; the event belongs to the stream's
+                # device, whichever is current
+                with self._cupy.cuda.Device(self.device):
+                    self._host_wait(mark(self._cupy, self._stream))
                 self._comm.destroy()
         except Exception as error:
             self._abort()

@@ -28,56 +28,65 @@ def mark(cupy: Any, stream: Any) -> Any:
 
 
 class Ticket:
-    """One call's place on the caller's stream.
+    """One call's place on the caller's stream of the arrays' GPU.
+
+    Everything happens on the arrays' GPU, whichever device is current when the call is made
+    or its result taken (as PyTorch's ProcessGroupNCCL does with a tensor's device): a stream
+    belongs to one device, an event is recorded only on a stream of its own device, and stream
+    handle 0 means the legacy default stream of whichever device is current.
 
     Attributes:
-        device: the caller's current device (an int).
-        stream: the caller's current stream when the call was made. It may be a handle that
-            means "this thread's default stream" (CUDA's per-thread default stream), so only
-            the caller's thread may use it: the call's work runs on the communicator's stream.
+        device: the arrays' GPU (an int).
+        stream: the caller's current stream on that device when the call was made. It may be a
+            handle that means "this thread's default stream" (CUDA's per-thread default
+            stream), so only the caller's thread may use it: the call's work runs on the
+            communicator's stream.
         ready: an event on it: everything the caller enqueued before the call.
         done: an event after the call's device work (None: nothing ran on a device).
     """
 
-    def __init__(self, cupy: Any) -> None:
-        self.device = cupy.cuda.Device().id
-        self.stream = cupy.cuda.get_current_stream()
-        self.ready = mark(cupy, self.stream)
+    def __init__(self, cupy: Any, device: int) -> None:
+        self.device, self._cupy = device, cupy
+        with cupy.cuda.Device(device):
+            self.stream = cupy.cuda.get_current_stream()
+            self.ready = mark(cupy, self.stream)
         self.done: Any = None
 
     def after(self) -> None:
         """Make the caller's stream wait for the call's device work (in the caller's thread)."""
         if self.done is not None:
-            self.stream.wait_event(self.done)
+            with self._cupy.cuda.Device(self.device):
+                self.stream.wait_event(self.done)
 
 
 class CommStream:
-    """A communicator's own non-blocking stream, and calls placed on it.
+    """A communicator's own non-blocking stream on each GPU its arrays live on, and calls placed
+    on it.
 
-    Args:
-        stream: the stream to use (the NCCL backend's); None makes one on the first call (under
-            a lock: a collective and a point-to-point thread may place their first calls at
-            once, and both must land on the one stream).
+    Attributes:
+        streams: device -> its stream. The NCCL backend puts its own there; others are made
+            on a device's first call (under a lock: a collective and a point-to-point thread
+            may place their first calls at once, and both must land on the one stream).
     """
 
-    def __init__(self, stream: Any = None) -> None:
-        self.stream = stream
+    def __init__(self) -> None:
+        self.streams: dict[int, Any] = {}
         self._lock = threading.Lock()
 
-    def place(self, run: Callable[[], Any]) -> Callable[[], Any]:
-        """Return ``run`` to be run on this stream after the caller's work (any thread).
+    def place(self, run: Callable[[], Any], device: int) -> Callable[[], Any]:
+        """Return ``run`` to be run on GPU ``device``'s stream after the caller's work.
 
         The caller's stream is captured now, in the caller's thread; the returned callable's
         ``after`` makes that stream wait for the call (``CommThreads`` runs it in the thread
-        that takes the result).
+        that takes the result). ``run`` may run on any thread.
         """
         import cupy
 
-        ticket = Ticket(cupy)
+        ticket = Ticket(cupy, device)
 
         def on_stream() -> Any:
-            with cupy.cuda.Device(ticket.device):
-                stream = self._stream(cupy)
+            with cupy.cuda.Device(device):
+                stream = self._stream(cupy, device)
                 stream.wait_event(ticket.ready)
                 with stream:
                     result = run()
@@ -87,8 +96,9 @@ class CommStream:
         on_stream.after = ticket.after  # type: ignore[attr-defined]
         return on_stream
 
-    def _stream(self, cupy: Any) -> Any:
+    def _stream(self, cupy: Any, device: int) -> Any:
         with self._lock:
-            if self.stream is None:
-                self.stream = cupy.cuda.Stream(non_blocking=True)
-            return self.stream
+            stream = self.streams.get(device)
+            if stream is None:  # made while ``device`` is current: it belongs there
+                stream = self.streams[device] = cupy.cuda.Stream(non_blocking=True)
+            return stream

@@ -3,9 +3,10 @@
 Imports mpi4py (the thread level) and meta_dist.watchdog. Every rank must issue collectives in
 the same order: one single-thread executor per communicator runs them first in, first out (a
 Future carries each result or exception to its waiter), and a blocking call made while work is
-queued joins the queue instead of overtaking it. Sends to each peer and receives from each
-peer get a thread of their own, as MPI_Isend/MPI_Irecv would, so two ranks may each start a
-send to the other before receiving.
+queued joins the queue instead of overtaking it. Where the library allows it (MPI), sends to
+each peer and receives from each peer get a thread of their own, as MPI_Isend/MPI_Irecv would,
+so two ranks may each start a send to the other before receiving; elsewhere (NCCL: one
+communicator, one thread at a time) they join the collectives' queue.
 """
 
 from __future__ import annotations
@@ -55,11 +56,13 @@ class CommThreads:
         stall_timeout: seconds before the watchdog ends a stalled job (None: no watchdog).
         on_start: run first on every thread (e.g. to make this rank's GPU current, which is
             per thread in CUDA); if it raises, every call queued there fails.
+        p2p_apart: sends and receives run beside the collectives, on threads of their own
+            (else in the collectives' order: a blocking one never overtakes a queued one).
     """
 
     def __init__(self, connector: Any, thread_level: int, stall_timeout: float | None,
-                 on_start: Callable[[], None]) -> None:
-        self.thread_level, self._on_start = thread_level, on_start
+                 on_start: Callable[[], None], p2p_apart: bool = True) -> None:
+        self.thread_level, self._on_start, self.p2p_apart = thread_level, on_start, p2p_apart
         self.watchdog: StallWatchdog | None = None  # told when each operation starts and ends
         if stall_timeout is not None:  # the side channel: MPI calls from the watchdog thread
             side = (connector.comm.Dup() if connector.size > 1
@@ -76,7 +79,7 @@ class CommThreads:
         ``arrays`` are what the watchdog's report names. A ``call.after`` (see Handle) runs in
         this thread once the call has finished.
         """
-        queued = self._queues.get(None if peer is None else (api, peer))
+        queued = self._queues.get(self._key(api, peer))
         if queued is not None and queued[1] is not None and not queued[1].done():
             return self.start(call, api, peer, arrays).wait()
         result = self._watched(call, api, peer, arrays)
@@ -88,12 +91,16 @@ class CommThreads:
     def start(self, call: Callable[[], Any], api: str, peer: int | None = None,
               arrays: Any = None) -> Handle:
         """Queue ``call`` on the collectives' thread (or the peer's) and return its Handle."""
-        key = None if peer is None else (api, peer)
+        key = self._key(api, peer)
         executor = self._queues[key][0] if key in self._queues else ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="meta_dist-comm", initializer=self._on_start)
         future = executor.submit(functools.partial(self._watched, call, api, peer, arrays))
         self._queues[key] = (executor, future)
         return Handle(future, getattr(call, "after", None))
+
+    def _key(self, api: str, peer: int | None) -> Any:
+        """The queue a call joins: None (the collectives') or (send|recv, peer)."""
+        return None if peer is None or not self.p2p_apart else (api, peer)
 
     def check_async(self, api: str) -> None:
         """Refuse work on a thread of its own unless MPI allows calls from any thread."""

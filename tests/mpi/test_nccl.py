@@ -9,6 +9,8 @@ device.
 """
 
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -72,6 +74,32 @@ def any_gpu(connector, cp):
     collective_skip(connector, None if gpu_count() > 0 else "no CUDA device is visible",
                     "needs a GPU")
     return cp
+
+
+def another_gpu(connector, own):
+    """Return a GPU other than ``own`` (visible on every rank), or skip on every rank."""
+    others = [d for d in range(gpu_count()) if d != own]
+    collective_skip(connector, None if others else "one GPU: no other device to make current",
+                    "needs a second GPU")
+    return others[0]
+
+
+def in_thread(call):
+    """Run ``call`` on a new thread; return its result or raise its exception here."""
+    box = {}
+
+    def run():
+        try:
+            box["result"] = call()
+        except BaseException as error:  # carried to the test's thread
+            box["error"] = error
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 @pytest.fixture(scope="module")
@@ -284,6 +312,69 @@ def test_async_barrier_and_host_arrays(ncomm, gpu):
     ncomm.barrier()
     with pytest.raises(TypeError, match="nccl backend moves CuPy arrays; got numpy.ndarray"):
         ncomm.allreduce(np.ones(3))
+
+
+@pytest.mark.gpu
+def test_calls_run_on_the_ranks_gpu_whatever_device_is_current(ncomm, connector, gpu):
+    """Calls made, and results taken, while another GPU is current (or on a thread whose
+    current device is another) run on the rank's GPU, as PyTorch's process groups run on a
+    tensor's device: they failed on that rank alone (the communicator's stream belongs to its
+    GPU), leaving its peers waiting in the check, and a wait on another device's thread left
+    the caller's stream unordered."""
+    other = another_gpu(connector, ncomm.device)
+    total = np.full(1000, ncomm.size * (ncomm.size + 1) / 2, np.float32)
+    with gpu.cuda.Device(ncomm.device):
+        x = gpu.full(1000, float(ncomm.rank + 1), gpu.float32)
+        y, z = x.copy(), x.copy()
+    with gpu.cuda.Device(other):
+        got = ncomm.allreduce(x)  # a new result: made on the rank's GPU
+        assert ncomm.allreduce(y, out=y) is y
+        handle = ncomm.allreduce_async(z, out=z)
+        gathered = ncomm.allgather([x[:3], x[3:5]])
+        ncomm.barrier()
+    in_thread(lambda: (gpu.cuda.Device(other).use(), handle.wait()))
+    from_thread = in_thread(lambda: (gpu.cuda.Device(other).use(), ncomm.allreduce(x))[1])
+    for result in (got, y, z, from_thread):
+        assert result.device.id == ncomm.device
+        np.testing.assert_array_equal(result.get(), total)
+    assert [g.device.id for g in gathered] == [ncomm.device] * 2
+    np.testing.assert_array_equal(gathered[1].get(), np.repeat(np.arange(1, ncomm.size + 1),
+                                                               2).astype(np.float32))
+
+
+@pytest.mark.gpu
+def test_close_with_another_gpu_current(connector, gpu):
+    """close() waits for the communicator's stream with an event of its own GPU: made on the
+    current device instead, recording it failed and close aborted NCCL and raised."""
+    comm = make_communicator("nccl", connector)
+    other = another_gpu(connector, comm.device)
+    with gpu.cuda.Device(comm.device):
+        x = gpu.ones(10, gpu.float32)
+    comm.allreduce(x, out=x)
+    with gpu.cuda.Device(other):
+        comm.close()
+    assert comm.closed
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi(min_size=2)
+def test_a_blocking_send_runs_after_the_async_collectives_before_it(ncomm, gpu):
+    """NCCL takes one thread at a time per communicator and the ranks' calls in one order: a
+    blocking send or recv made while an asynchronous collective is queued runs after it. It
+    ran at once, beside the queued allreduce, so the ranks enqueued them in different orders
+    (a deadlock once the message is too large to be sent eagerly: 32 MiB here)."""
+    x = gpu.ones(1024, gpu.float32)
+    message = gpu.full(1 << 23, float(ncomm.rank), gpu.float32)
+    handle = ncomm.allreduce_async(x, out=x)
+    if ncomm.rank == 0:
+        ncomm.send(message, peer=1)
+    elif ncomm.rank == 1:
+        time.sleep(0.3)  # late: rank 0's send is in flight before rank 1's allreduce starts
+        ncomm.recv(message, peer=0)
+    handle.wait()
+    np.testing.assert_array_equal(x.get(), np.full(1024, ncomm.size, np.float32))
+    if ncomm.rank == 1:
+        assert float(message[0].get()) == 0.0
 
 
 @pytest.mark.gpu

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import same_on_every_rank
 from test_collectives import DTYPES, OPS, rank_input, valid
-from test_nccl import any_gpu, cp  # noqa: F401 - the collective skips of the GPU tests
+from test_nccl import another_gpu, any_gpu, cp  # noqa: F401 - the GPU tests' collective skips
 
 from meta_dist import make_communicator
 from meta_dist.comm.mpi_backend import ENV_CUDA_AWARE, MpiCommunicator, cuda_aware_requested
@@ -158,6 +158,28 @@ def test_async_collectives_and_a_blocking_one_behind_them(scomm, any_gpu):  # no
     np.testing.assert_array_equal(scomm.allgather(any_gpu.ones(2)).get(), np.ones(2 * n))
     np.testing.assert_array_equal(handles[0].wait().get(), np.full(100, n * (n - 1) / 2))
     np.testing.assert_array_equal(handles[1].wait().get(), np.full(4, float(n)))
+
+
+@pytest.mark.gpu
+def test_staged_calls_run_on_the_arrays_gpu(scomm, connector, any_gpu):  # noqa: F811
+    """A staged call made while another GPU is current runs on its arrays' GPU, and so do the
+    calls after it: the communicator's stream was made on the device current at its first
+    call, and every later call on another device failed. Arrays on the other GPU get that
+    device's stream."""
+    own = any_gpu.cuda.Device().id
+    other = another_gpu(connector, own)
+    x = any_gpu.full(100, float(scomm.rank + 1), any_gpu.float32)
+    total = np.full(100, scomm.size * (scomm.size + 1) / 2, np.float32)
+    with any_gpu.cuda.Device(other):
+        got = scomm.allreduce(x)
+    assert got.device.id == own
+    np.testing.assert_array_equal(got.get(), total)
+    np.testing.assert_array_equal(scomm.allreduce(x).get(), total)
+    with any_gpu.cuda.Device(other):
+        there = any_gpu.full(100, float(scomm.rank + 1), any_gpu.float32)
+        result = scomm.allreduce(there)
+        assert result.device.id == other
+        np.testing.assert_array_equal(result.get(), total)
 
 
 @pytest.mark.gpu
