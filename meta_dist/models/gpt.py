@@ -46,7 +46,7 @@ def gpt(vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int
         n_embd: model width.
         dropout: drop probability after the embeddings, on the attention probabilities and
             after each residual branch; dropout masks are seeded from ``seed`` (see
-            ``nn.dropout.Dropout``; ``nn.dropout.set_dropout_rank`` sets the rank).
+            ``nn.dropout.Dropout``; the Trainer sets each rank's and numbers the forwards).
         seed: seed of the initial values and of the dropout masks.
         dtype: parameter dtype.
         xp: array module (numpy or cupy) the parameters live on.

@@ -1,9 +1,11 @@
 """Dropout, its masks drawn from (seed, rank, call), and the seeds that keep dropouts apart.
 
 Leaf module: imports numpy, ``meta_dist.xp``, ``nn.layers`` and ``nn.composite`` only;
-``nn.transformer``, ``meta_dist.models`` and the tests import it. ``derive_seed`` gives each
-sub-layer its own seed; ``set_dropout_rank`` sets the rank of every Dropout in a model,
-Composites opened, so that data-parallel ranks drop different elements.
+``nn.transformer``, ``meta_dist.models``, the trainer and the tests import it. ``derive_seed``
+gives each sub-layer its own seed; ``set_dropout_rank`` sets the rank of every Dropout in a
+model, Composites opened, so that data-parallel ranks drop different elements, and
+``number_forward`` numbers the next training forward, so that a run resumed from a checkpoint
+draws the masks the uninterrupted one drew (the trainer calls both).
 """
 
 from __future__ import annotations
@@ -36,10 +38,10 @@ class Dropout(Layer):
 
     Reproducible: the mask of the n-th training forward is drawn on the host by
     ``np.random.default_rng([seed, rank, n])``, so it depends on nothing but those three numbers
-    (not on the array module, the dtype or other layers). ``calls`` is n; ``rank`` may be
-    changed before training so that data-parallel ranks drop different elements. On a GPU the
-    mask is copied to the device each call (host work and a transfer of x.size floats).
-    Identity when p == 0 or in eval mode.
+    (not on the array module, the dtype or other layers). ``calls`` is n, counted from 0 or
+    from what ``number_forward`` set; ``rank`` may be changed before training so that
+    data-parallel ranks drop different elements. On a GPU the mask is copied to the device each
+    call (host work and a transfer of x.size floats). Identity when p == 0 or in eval mode.
     """
 
     def __init__(self, p: float, *, seed: int, rank: int = 0) -> None:
@@ -82,6 +84,18 @@ class Dropout(Layer):
         return dout if self.mask is None else dout * self.mask
 
 
+FORWARD_STRIDE = 2**16  # mask numbers one numbered forward may use (calls of one Dropout in it)
+
+
+def dropouts(layers: Iterable[Layer]) -> list[Dropout]:
+    """Return every Dropout among ``layers`` and their descendants (Composites opened)."""
+    found = []
+    for layer in layers:
+        leaves = layer.named_leaves() if isinstance(layer, Composite) else [("", layer)]
+        found += [leaf for _, leaf in leaves if isinstance(leaf, Dropout)]
+    return found
+
+
 def set_dropout_rank(layers: Iterable[Layer], rank: int) -> None:
     """Set ``rank`` on every Dropout among ``layers`` and their descendants.
 
@@ -89,8 +103,18 @@ def set_dropout_rank(layers: Iterable[Layer], rank: int) -> None:
         layers: e.g. ``Sequential.layers``.
         rank: this process's rank, so that ranks draw different masks.
     """
-    for layer in layers:
-        leaves = layer.named_leaves() if isinstance(layer, Composite) else [("", layer)]
-        for _, leaf in leaves:
-            if isinstance(leaf, Dropout):
-                leaf.rank = _seed("set_dropout_rank", "rank", rank)
+    for dropout in dropouts(layers):
+        dropout.rank = _seed("set_dropout_rank", "rank", rank)
+
+
+def number_forward(layers: Iterable[Dropout], number: int) -> None:
+    """Make the next training forward the ``number``-th for each of ``layers`` (``dropouts``'
+    list): its masks are drawn from ``calls`` ``number * FORWARD_STRIDE`` on.
+
+    The trainer numbers each micro-batch by the step and its place in it, so the masks follow
+    from the step alone, and a run resumed from a checkpoint draws what the uninterrupted run
+    drew.
+    """
+    first = _seed("number_forward", "number", number) * FORWARD_STRIDE
+    for dropout in layers:
+        dropout.calls = first

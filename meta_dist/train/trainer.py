@@ -23,6 +23,7 @@ from meta_dist.config import Config, check_same_everywhere, check_world
 from meta_dist.errors import UsageError
 from meta_dist.nn.init import DeferredValues
 from meta_dist.nn.losses import softmax_cross_entropy
+from meta_dist.nn.dropout import dropouts, number_forward, set_dropout_rank
 from meta_dist.nn.model import Sequential
 from meta_dist.trace import Trace
 from meta_dist.train import checkpointing
@@ -84,6 +85,8 @@ class Trainer:
                                 overlap=self.overlap)
         self.work_dtype = self.stage.flat.dtype  # the layers compute in it (working_dtype)
         self.stage.attach()
+        set_dropout_rank(model.layers, self.context.rank)  # ranks drop different elements
+        self._dropouts = dropouts(model.layers)
         tcfg, dcfg = config.train, config.dist
         self.scaler = None if tcfg.precision != "fp16" else LossScaler(
             2.0**16 if tcfg.loss_scale == "dynamic" else tcfg.loss_scale,
@@ -157,6 +160,8 @@ class Trainer:
         for i in range(k):
             start = trace.begin() if trace is not None else 0.0
             self.stage.begin_micro(i)
+            if self._dropouts:  # masks by step and micro-batch: a resumed run draws the same
+                number_forward(self._dropouts, self.steps_done * k + i)
             inputs = x[i * n : (i + 1) * n]
             if inputs.dtype.kind == "f" and inputs.dtype != self.work_dtype:
                 inputs = inputs.astype(self.work_dtype)  # the layers compute in the precision
