@@ -6,6 +6,7 @@ it (Trainer.save_checkpoint, load_checkpoint, fit and a stop on a signal call it
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from meta_dist import checkpoint
 from meta_dist.config import Config
+from meta_dist.errors import UsageError
 from meta_dist.nn.model import Sequential
 from meta_dist.train.build import broadcast_buffers, model_buffers, param_name
 from meta_dist.xp import to_numpy
@@ -73,6 +75,52 @@ def _manifest(trainer: Trainer,
         "config": config.as_dicts(),
         "checksums": {name: digest for sums, _ in everyone for name, digest in sums.items()},
     }
+
+
+def check_directories(trainer: Trainer) -> None:
+    """Raise UsageError on every rank, before any step, if fit's files could not be written
+    where the config says, or would replace another run's checkpoints. Collective.
+
+    A new run (no resume_from) in a checkpoint_dir that holds complete checkpoints would
+    replace those of its step numbers and prune the rest: refused, not lost. A checkpoint_dir
+    or trace folder that is a file or not writable would fail only at the first save, after
+    the steps before it.
+    """
+    config = trainer.config
+    folders = {"train_config.checkpoint_dir": config.train.checkpoint_dir,
+               "meta_dist_config.trace": config.dist.trace}
+    problems = []
+    for key, folder in folders.items():
+        where = config.sources.get(key, "code")
+        if folder is None:
+            continue
+        path = Path(folder)
+        existing = next((p for p in (path, *path.parents) if p.exists()), None)
+        if path.exists() and not path.is_dir():
+            problems.append(f"{key} {folder} (set in {where}) is a file; expected a directory "
+                            "(it is made if missing); choose another path")
+        elif existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+            problems.append(f"{key} {folder} (set in {where}): {existing} is not writable here; "
+                            "choose a writable path")
+    directory = config.train.checkpoint_dir
+    if not problems and directory is not None and config.train.resume_from is None:
+        root = Path(directory)
+        found = sorted(p.name for p in root.glob(f"{checkpoint.STEP_PREFIX}*")
+                       if (p / checkpoint.MANIFEST).is_file()) if root.is_dir() else []
+        if found:
+            where = config.sources.get("train_config.checkpoint_dir", "code")
+            problems.append(
+                f"train_config.checkpoint_dir {directory} (set in {where}) holds another run's "
+                f"checkpoints ({', '.join(found[-3:])}); a new run would replace and prune "
+                "them; expected resume_from: latest to continue that run, or another (or an "
+                "emptied) checkpoint_dir to start a new one")
+    every = trainer.context.connector.allgather(problems[0] if problems else None)
+    mine = next((p for p in every if p), None)
+    if mine is not None:
+        ranks = [r for r, p in enumerate(every) if p]
+        seen = ("" if len(ranks) == len(every) else
+                f" (seen on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})")
+        raise UsageError(f"fit: {mine}{seen}")
 
 
 def resume(trainer: Trainer, steps_per_epoch: int) -> tuple[int, int]:

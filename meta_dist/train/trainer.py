@@ -197,13 +197,15 @@ class Trainer:
         and micro-batches) is averaged over all ranks with one small allreduce per epoch.
         With ``resume_from`` the run continues where the checkpoint left off (the very next
         batch), and returns the losses of the epochs it ran; with ``checkpoint_dir`` it saves
-        every ``checkpoint_every`` steps (0: at each epoch's end). With ``max_steps`` the run
+        every ``checkpoint_every`` steps and after the last (0: at each epoch's end). With ``max_steps`` the run
         is that many optimizer steps instead (as many epochs as they take, the last cut
         short). ``evaluate(step)`` (collective: every rank calls it at the same steps) runs
         before the first step, every ``eval_every`` steps and after the last.
 
         Raises:
-            UsageError: the warmup is longer than the run.
+            UsageError: the warmup is longer than the run; checkpoint_dir or trace cannot be
+                written; checkpoint_dir holds another run's checkpoints and resume_from is not
+                set (checked before the first step).
             CheckpointError: the checkpoint to resume from cannot be used.
             TrainingStopped: on every rank after the step at which some rank caught SIGTERM
                 or SIGINT (a checkpoint written first where ``checkpoint_dir`` is set); it
@@ -222,6 +224,7 @@ class Trainer:
                 f"fit: train_config.warmup_steps is longer than the run (set in {where}); got "
                 f"warmup_steps={tcfg.warmup_steps}, expected at most {self.total_steps} "
                 f"({run}); shorten the warmup or train longer")
+        checkpointing.check_directories(self)
         first_epoch, skip = checkpointing.resume(self, sampler.steps_per_epoch)
         self.model.train()
         self.signals = StopSignals()
@@ -231,6 +234,8 @@ class Trainer:
             self._evaluate_now()
             with self.signals:
                 history = self._epochs(x, y, sampler, first_epoch, skip)
+                if tcfg.checkpoint_dir and tcfg.checkpoint_every:  # the last step, saved
+                    checkpointing.save_once(self, tcfg.checkpoint_dir)
             if not tcfg.eval_every or self.steps_done % tcfg.eval_every:  # the last step's
                 self._evaluate_now()
             # a signal after the last step's vote (in the epoch's end, its checkpoint) still

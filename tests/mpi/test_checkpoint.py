@@ -14,6 +14,7 @@ from meta_dist import MPIConnector, checkpoint
 from meta_dist.checkpoint import CheckpointError
 from meta_dist.config import load_config
 from meta_dist.distributed import DistContext
+from meta_dist.errors import UsageError
 from meta_dist.nn.dropout import Dropout
 from meta_dist.nn.layers import Linear, Tanh
 from meta_dist.nn.losses import softmax_cross_entropy
@@ -64,9 +65,9 @@ def test_a_resumed_run_equals_the_uninterrupted_one(world, shared_dir, level, op
     whole.fit(x, y)
     first = trainer(world, level, optimizer, checkpoint_dir=shared_dir, checkpoint_every=4,
                     **train)
-    first.fit(x, y)  # saves after step 4, mid-epoch 2
-    resumed = trainer(world, level, optimizer, checkpoint_dir=shared_dir, resume_from="latest",
-                      **train)
+    first.fit(x, y)  # saves after step 4, mid-epoch 2 (and after the last, step 6)
+    resumed = trainer(world, level, optimizer, checkpoint_dir=shared_dir,
+                      resume_from=f"{shared_dir}/step-00000004", **train)
     assert resumed.stage.full_params().tobytes() != whole.stage.full_params().tobytes()
     resumed.fit(x, y)
     np.testing.assert_array_equal(resumed.stage.full_params(), whole.stage.full_params())
@@ -95,11 +96,39 @@ def test_dropout_masks_follow_the_step_and_the_rank(world, shared_dir):
     whole = with_dropout()
     whole.fit(x, y)
     with_dropout(checkpoint_dir=shared_dir, checkpoint_every=4).fit(x, y)
-    resumed = with_dropout(checkpoint_dir=shared_dir, resume_from="latest")
+    resumed = with_dropout(checkpoint_dir=shared_dir, resume_from=f"{shared_dir}/step-00000004")
     resumed.fit(x, y)
     np.testing.assert_array_equal(resumed.stage.full_params(), whole.stage.full_params())
     masks = world.connector.allgather(whole.model.layers[2].mask)
     assert all(not np.array_equal(masks[0], m) for m in masks[1:])
+
+
+def test_the_last_step_is_saved_and_a_new_run_never_replaces_another_runs(world, shared_dir,
+                                                                         tmp_path):
+    """checkpoint_every 4 over 6 steps also saves step 6 (the end of a run was lost unless a
+    multiple of it). A second run in that directory without resume_from would have replaced
+    step 4 and 6 and pruned the rest without a word: every rank refuses it before any step. A
+    checkpoint_dir that is a file is refused before the first step, not at the first save."""
+    x, y = data()
+    trainer(world, 1, checkpoint_dir=shared_dir, checkpoint_every=4).fit(x, y)
+    saved = sorted(p.name for p in Path(shared_dir).glob("step-*"))
+    assert saved == ["step-00000004", "step-00000006"], saved
+    again = trainer(world, 1, checkpoint_dir=shared_dir, checkpoint_every=3)
+    before = again.stage.full_params().copy()
+    with pytest.raises(UsageError, match=r"fit: train_config.checkpoint_dir \S+ \(set in "
+                                         r"script\) holds another run's checkpoints "
+                                         r"\(step-00000004, step-00000006\); .*resume_from: "
+                                         r"latest"):
+        again.fit(x, y)
+    assert sorted(p.name for p in Path(shared_dir).glob("step-*")) == saved
+    np.testing.assert_array_equal(again.stage.full_params(), before)  # no step taken
+    a_file = world.connector.broadcast(str(tmp_path / "a_file"))
+    if world.rank == 0:
+        Path(a_file).write_text("not a directory")
+    world.connector.barrier()
+    with pytest.raises(UsageError, match="checkpoint_dir .*a_file .* is a file; expected a "
+                                         "directory"):
+        trainer(world, 1, checkpoint_dir=a_file, checkpoint_every=4).fit(x, y)
 
 
 def test_resuming_a_finished_run_trains_no_further(world, shared_dir):
@@ -125,7 +154,8 @@ def test_resume_continues_with_the_next_batch_and_says_so(world, shared_dir):
     first = trainer(world, 1, checkpoint_dir=shared_dir, checkpoint_every=4)
     first.fit(x, y)  # 2 epochs of 3 steps: saved after step 4, epoch 2 step 1
     lines = []
-    resumed = trainer(world, 1, checkpoint_dir=shared_dir, resume_from="latest")
+    resumed = trainer(world, 1, checkpoint_dir=shared_dir,
+                      resume_from=f"{shared_dir}/step-00000004")
     resumed.log = _Lines(lines) if world.rank == 0 else None
     losses = resumed.fit(x, y)
     assert len(losses) == 1 and resumed.steps_done == 6  # epoch 2's last two steps
