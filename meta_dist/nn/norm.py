@@ -80,13 +80,14 @@ class BatchNorm(Layer):
         xp = array_module(x)
         axes, bshape = self._axes_and_shape(x)
         self.used_batch_stats = self.training
+        wide = x if x.dtype.itemsize >= 4 else x.astype(np.float32)  # float16 squares overflow
         if self.training:
             count = x.size // self.num_features
             if count < 2:
                 raise ValueError(f"BatchNorm.forward: too few values per channel in training; "
                                  f"got {count}, expected >= 2")
-            mean = x.mean(axis=axes)
-            var = x.var(axis=axes)
+            mean = wide.mean(axis=axes)
+            var = wide.var(axis=axes)
             m = self.momentum
             self.running_mean *= 1.0 - m
             self.running_mean += m * mean
@@ -94,8 +95,9 @@ class BatchNorm(Layer):
             self.running_var += (m * count / (count - 1)) * var
         else:
             mean, var = self.running_mean, self.running_var
-        self.inv_std = 1.0 / xp.sqrt(var + self.eps)
-        self.xhat = (x - mean.reshape(bshape)) * self.inv_std.reshape(bshape)
+        inv_std = 1.0 / xp.sqrt(var + self.eps)
+        self.xhat = ((wide - mean.reshape(bshape)) * inv_std.reshape(bshape)).astype(x.dtype)
+        self.inv_std = inv_std.astype(x.dtype)
         weight, bias = self.params["weight"], self.params["bias"]
         return self.xhat * weight.reshape(bshape) + bias.reshape(bshape)
 
@@ -155,10 +157,12 @@ class LayerNorm(Layer):
         """
         _check_last_axis("LayerNorm.forward", x, self.dim)
         xp = array_module(x)
-        centered = x - x.mean(axis=-1, keepdims=True)
+        wide = x if x.dtype.itemsize >= 4 else x.astype(np.float32)  # float16 squares overflow
+        centered = wide - wide.mean(axis=-1, keepdims=True)
         var = (centered * centered).mean(axis=-1, keepdims=True)
-        self.inv_std = 1.0 / xp.sqrt(var + self.eps)
-        self.xhat = centered * self.inv_std
+        inv_std = 1.0 / xp.sqrt(var + self.eps)
+        self.xhat = (centered * inv_std).astype(x.dtype)
+        self.inv_std = inv_std.astype(x.dtype)
         return self.xhat * self.params["weight"] + self.params["bias"]
 
     def backward(self, dout):

@@ -72,8 +72,8 @@ class CausalScaledDotProduct(Composite):
         xp = array_module(qkv)
         b, t, _ = qkv.shape
         self.q, self.k, self.v = self._heads(qkv, 3)
-        scores = xp.matmul(self.q, self.k.swapaxes(-1, -2))  # (B, H, T, T)
-        scores *= self.scale
+        # q scaled first: float16's q.k overflows long before the scaled score would
+        scores = xp.matmul(self.q * self.q.dtype.type(self.scale), self.k.swapaxes(-1, -2))
         scores[..., ~xp.tri(t, dtype=bool)] = -xp.inf  # position i sees j <= i only
         scores -= scores.max(axis=-1, keepdims=True)  # the diagonal is never masked: finite max
         probs = xp.exp(scores, out=scores)

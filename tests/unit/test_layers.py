@@ -416,3 +416,37 @@ def test_a_blocked_bfloat16_linear_gives_what_one_product_gives():
     assert blocked.dtype == whole.dtype and blocked_dx.dtype == whole_dx.dtype
     np.testing.assert_allclose(blocked, whole, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(blocked_dx, whole_dx)  # each block's rows: one product
+
+
+def test_float16_extremes_give_the_float64_result_rounded():
+    """float16 overflowed inside four layers where the result is in range: GELU's backward at
+    |x| >= 700 (its du was inf where 1 - t^2 is 0: NaN), LayerNorm and BatchNorm with
+    deviations above 256 (their squares were inf: every output 0), and attention with a q.k
+    above 65504 (a NaN row). Each now matches float64, rounded once (a reviewer compared
+    PyTorch's float16 layers, which give these values)."""
+    from meta_dist.nn.norm import LayerNorm
+    from meta_dist.nn.transformer import CausalScaledDotProduct
+
+    gelu = GELU()
+    x = np.array([-1000, -700, -600, 100, 600, 700, 1000, 5000], np.float16)
+    gelu.forward(x)
+    np.testing.assert_array_equal(gelu.backward(np.ones_like(x)), [0, 0, 0, 1, 1, 1, 1, 1])
+
+    row = np.array([[0, 100, -300, 300, 50, -50, 10, 1]], np.float16)
+    exact = (row - row.astype(np.float64).mean()) / np.sqrt(row.astype(np.float64).var() + 1e-5)
+    np.testing.assert_allclose(LayerNorm(8, dtype=np.float16).forward(row), exact, atol=2e-3)
+
+    batch = np.array([[-300, 0.1], [300, 0.2], [100, 0.3], [-100, 0.4]], np.float16)
+    norm = BatchNorm(2, dtype=np.float16)
+    wide = batch.astype(np.float64)
+    exact = (wide - wide.mean(0)) / np.sqrt(wide.var(0) + 1e-5)
+    np.testing.assert_allclose(norm.forward(batch), exact, atol=2e-3)
+    assert np.isfinite(norm.running_var).all()
+
+    attention = CausalScaledDotProduct(64, 1)
+    qkv = np.zeros((1, 2, 192), np.float16)
+    qkv[0, :, :64] = 32.0  # q . k = 64 * 32 * 32 = 65536 (inf in float16); scaled, 8192
+    qkv[0, :, 64:128] = 32.0
+    qkv[0, :, 128:] = np.array([[1.0], [3.0]], np.float16)
+    out = attention.forward(qkv)
+    np.testing.assert_array_equal(out[0, 1], np.full(64, 2.0, np.float16))  # equal scores
