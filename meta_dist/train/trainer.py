@@ -203,7 +203,8 @@ class Trainer:
         before the first step, every ``eval_every`` steps and after the last.
 
         Raises:
-            UsageError: the warmup is longer than the run; checkpoint_dir or trace cannot be
+            UsageError: fewer samples than one batch; the warmup is longer than the run;
+                checkpoint_dir or trace cannot be
                 written; checkpoint_dir holds another run's checkpoints and resume_from is not
                 set (checked before the first step).
             CheckpointError: the checkpoint to resume from cannot be used.
@@ -212,6 +213,12 @@ class Trainer:
                 prints ``stopped by SIGTERM after step N``.
         """
         tcfg = self.config.train
+        if len(x) < tcfg.batch_size:  # the same data on every rank: every rank says it
+            where = self.config.sources.get("train_config.batch_size", "code")
+            raise UsageError(
+                f"fit: the data has {len(x)} samples, fewer than one global batch "
+                f"(train_config.batch_size {tcfg.batch_size}, set in {where}); set batch_size "
+                f"to at most {len(x)} (a multiple of the ranks) or give more samples")
         sampler = DistributedSampler(len(x), tcfg.batch_size, self.context.rank,
                                      self.context.size, seed=self.config.dist.seed,
                                      max_steps=tcfg.n_mini_batch)

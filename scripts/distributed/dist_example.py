@@ -43,6 +43,17 @@ meta_dist_config = {
 }
 
 
+def check_image_shape(config):
+    """Raise UsageError unless train_config.input_shape is [channels, height, width], both
+    sides at least 2 (the CNN pools 2x2)."""
+    shape = list(config.train.input_shape)
+    if len(shape) != 3 or shape[1] < 2 or shape[2] < 2:
+        where = config.sources.get("train_config.input_shape", "script")
+        raise UsageError(f"train_config.input_shape (set in {where}): this script's CNN takes "
+                         f"images; got {shape}, expected [channels, height, width] with height "
+                         "and width >= 2 (data: an .npz whose x is (N, C, H, W))")
+
+
 def build_cnn(input_shape, num_classes, xp, dtype, seed):
     """Conv2d 3->6 5x5 pad 2, BatchNorm, Sigmoid, AvgPool 2x2, Flatten, Linear to num_classes."""
     rng = np.random.default_rng(seed)  # the same seed on every rank: identical replicas
@@ -62,6 +73,11 @@ def load_data(config):
             x, y = load_npz(tcfg.data_path)
         except UsageError as error:  # the file's own message, and the key that named it
             raise UsageError(f"{where}: {error}") from None
+        if x.ndim != 4:
+            raise UsageError(f"{where} {tcfg.data_path}: samples of shape {tuple(x.shape[1:])}; "
+                             "this script's CNN takes images of train_config.input_shape "
+                             f"{list(tcfg.input_shape)}: expected x of shape (N, C, H, W); "
+                             "reshape the data (one channel: x.reshape(len(x), 1, H, W))")
         check_samples(x, y, tcfg.input_shape, tcfg.num_classes, tcfg.batch_size,
                       f"{where} {tcfg.data_path}")
         return x, y, None, None
@@ -105,6 +121,7 @@ def main(argv):
                          *parse_cli(argv, train_config, meta_dist_config))
     dctx = dist.init(backend=config.dist.backend)
     check_world(config, dctx.size)
+    check_image_shape(config)
     hosts = dctx.connector.allgather(dctx.connector.host)
     if dctx.rank == dctx.root_rank:
         print(f"{dctx.size} rank(s) on {len(set(hosts))} node(s); "
