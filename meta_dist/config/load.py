@@ -3,7 +3,8 @@
 Imports yaml and the sibling modules schema and messages; the package's ``__init__`` and ``cli``
 import it. Layers, lowest to highest: defaults in code, the dicts a script passes, a YAML file
 (overrides only), then ``KEY=VALUE`` words; each value is checked as it is read and the source
-of each is kept in ``Config.sources``. YAML is read as plain data (no tags that build objects).
+of each is kept in ``Config.sources``. YAML is read as plain data (no tags that build objects),
+as UTF-8, with numbers resolved as YAML 1.2 does and a key repeated in a mapping refused.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from meta_dist.config.messages import source_label, unknown_name
+from meta_dist.config.messages import COMMAND_LINE, source_label, unknown_name
 from meta_dist.config.schema import (
     DIST,
     SECTIONS,
@@ -23,13 +24,12 @@ from meta_dist.config.schema import (
     Config,
     check_section,
     check_value,
+    owner_of,
 )
 from meta_dist.errors import UsageError
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
-
-COMMAND_LINE = "command line"
 
 
 def load_config(
@@ -53,8 +53,9 @@ def load_config(
 
     Raises:
         UsageError: An unknown key or section, a value of the wrong type (bool and int are not
-            interchangeable), out of range or not among the choices,
-            contradictory values, a file that is missing or not YAML, or a malformed override.
+            interchangeable), out of range or not among the choices, contradictory values, a
+            file that is missing, not UTF-8 or not YAML, a key given twice in one mapping, or
+            a malformed override (``KEY=`` with no value included).
         TypeError: A section that is not a dict, or overrides given as one string.
     """
     values: dict[str, Any] = {}
@@ -87,15 +88,65 @@ def load_config(
     return Config(train=built[TRAIN], dist=built[DIST], sources=sources)
 
 
+class _RepeatedKeyError(yaml.constructor.ConstructorError):
+    """A key given twice in one mapping, which PyYAML would resolve by keeping the last."""
+
+    def __init__(self, key: Any, first: int, second: int, mark: yaml.Mark) -> None:
+        super().__init__(None, None, f"key {key!r} repeated at lines {first} and {second}", mark)
+        self.key, self.first, self.second = key, first, second
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that reads ``1e-8`` as a float, as YAML 1.2 does (PyYAML reads a string)."""
+    """SafeLoader that reads numbers as YAML 1.2 does and refuses a key repeated in a mapping.
+
+    PyYAML follows YAML 1.1, where ``010`` is 8, ``1:30`` is 90 and ``1e-8`` is a string. Here
+    integers are decimal digits with an optional sign (``010`` is 10), or ``0x``/``0o`` forms,
+    floats include ``1e-8`` and ``-.5``, and sexagesimal and ``0b`` forms stay strings, as in
+    the YAML 1.2 core schema (https://yaml.org/spec/1.2.2/#1032-tag-resolution); ``_`` between
+    digits is still read as PyYAML reads it (``1_000``).
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        """Return the mapping; raise _RepeatedKeyError for a key given twice in it."""
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else ():
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == _MERGE:
+                continue  # a merge (<<) may repeat keys on purpose; other keys fail later
+            key = self.construct_object(key_node)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _RepeatedKeyError(key, seen[key], line, key_node.start_mark)
+            seen[key] = line
+        return super().construct_mapping(node, deep)
 
 
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."),
+_MERGE = "tag:yaml.org,2002:merge"
+_INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_INT = re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o[0-7]+|0x[0-9a-fA-F]+)$")
+_FLOAT = re.compile(
+    r"^(?:[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)?"
+    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
 )
+
+
+def _construct_int(loader: _Loader, node: yaml.ScalarNode) -> int:
+    """Return the YAML 1.2 integer ``node`` holds (``010`` is ten)."""
+    text = loader.construct_scalar(node)
+    if not _INT.match(text):  # an explicit !!int on something else (1:30, 0b11)
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{text!r} is not a YAML 1.2 integer", node.start_mark)
+    return int(text.replace("_", ""), {"0x": 16, "0o": 8}.get(text[:2], 10))
+
+
+# PyYAML's own int and float rules go (first match wins, so they would shadow ours); int is
+# added before float, whose pattern also matches plain digits.
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+for _tag, _regexp in ((_INT_TAG, _INT), (_FLOAT_TAG, _FLOAT)):
+    _Loader.add_implicit_resolver(_tag, _regexp, list("-+0123456789."))
+_Loader.add_constructor(_INT_TAG, _construct_int)
 
 
 def _read_yaml(path: str | Path) -> dict[str, Any]:
@@ -105,9 +156,25 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
             f"load_config: config file not found; got {str(path)!r}, expected an existing YAML "
             f"file (looked in {Path.cwd()}); see configs/ for examples"
         )
+    raw = Path(path).read_bytes()
     try:
-        with Path(path).open() as stream:
-            data = yaml.load(stream, Loader=_Loader)  # safe: _Loader is a SafeLoader
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[:err.start].count(b"\n") + 1
+        raise UsageError(
+            _not_yaml_text(path, f"byte 0x{raw[err.start]:02x} at line {line}")) from None
+    try:
+        data = yaml.load(text, Loader=_Loader)  # safe: _Loader is a SafeLoader
+    except yaml.reader.ReaderError as err:  # a control character: binary data, not text
+        line = text[:err.position].count("\n") + 1
+        raise UsageError(
+            _not_yaml_text(path, f"character #x{err.character:04x} at line {line}")) from None
+    except _RepeatedKeyError as err:
+        raise UsageError(
+            f"{path}: key {err.key!r} is given twice in one mapping; got it at lines {err.first} "
+            f"and {err.second}, expected each key once; merge the two into one (YAML would "
+            "silently keep only the last)"
+        ) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -130,8 +197,16 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
         )
     for section in data:
         if section not in SECTIONS:
-            raise UsageError(unknown_name("section", str(section), list(SECTIONS), path))
+            raise UsageError(unknown_name("section", str(section), list(SECTIONS), path,
+                                          owner=owner_of(str(section))))
     return data
+
+
+def _not_yaml_text(path: str | Path, found: str) -> str:
+    """Return the message for a config file that is not UTF-8 text (``found``: the first sign)."""
+    return (f"{path}: not a UTF-8 YAML file; got {found}, expected UTF-8 text with sections "
+            f"{TRAIN}: and {DIST}:; --config takes a YAML file (configs/ has examples): save "
+            f"one in another encoding as UTF-8, and give a data file as {TRAIN}.data_path")
 
 
 def _set_section(values: dict, sources: dict, section: str, given: Any, source: str) -> None:
@@ -163,8 +238,18 @@ def _parse_override(word: str) -> tuple[str, Any]:
     else:
         owners = [section for section, types in TYPES.items() if name in types]
         key = f"{owners[0]}.{name}" if owners else name
+    if not text.strip():  # as an unset shell variable leaves it: null would turn a feature off
+        raise UsageError(
+            f"{COMMAND_LINE}: {key} has no value; got {word!r}, expected KEY=VALUE with a VALUE; "
+            f"write {name}=null to unset it"
+        )
     try:
         value = yaml.load(text, Loader=_Loader)  # safe: _Loader is a SafeLoader
+    except _RepeatedKeyError as err:
+        raise UsageError(
+            f"{COMMAND_LINE}: value of {key} gives key {err.key!r} twice; got {text!r}, expected "
+            "each key once"
+        ) from None
     except yaml.YAMLError:
         raise UsageError(
             f"command line: value of {key} is not YAML; got {text!r}, expected e.g. 2, true, "

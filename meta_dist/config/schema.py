@@ -283,6 +283,11 @@ _SECTION_OF = {cls: name for name, cls in SECTIONS.items()}
 TYPES = {section: get_type_hints(cls) for section, cls in SECTIONS.items()}
 
 
+def owner_of(name: str) -> str:
+    """Return the section that has a key called ``name``, or ``""`` (names are unique)."""
+    return next((section for section, types in TYPES.items() if name in types), "")
+
+
 def check_value(key: str, value: Any, source: str) -> Any:
     """Return ``value`` coerced to the field's type; raise if the key, type or value is bad."""
     section, dot, name = key.partition(".")
@@ -292,7 +297,8 @@ def check_value(key: str, value: Any, source: str) -> Any:
     if section not in SECTIONS:
         raise UsageError(unknown_name("section", section, list(SECTIONS), source, key))
     if name not in TYPES[section]:
-        raise UsageError(unknown_name("key", name, list(TYPES[section]), source, key))
+        raise UsageError(
+            unknown_name("key", name, list(TYPES[section]), source, key, owner_of(name)))
     hint = TYPES[section][name]
     meta = SECTIONS[section].__dataclass_fields__[name].metadata
     choices = meta.get("choices", ())
