@@ -7,28 +7,41 @@ Imports numpy, files.py and reader.py (no MPI: it runs anywhere, without mpirun)
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import sys
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
-from meta_dist.checkpoint.files import CheckpointError
+from meta_dist.checkpoint.files import MANIFEST, CheckpointError
 from meta_dist.checkpoint.reader import Reader
+from meta_dist.errors import USAGE_EXIT, UsageError
 
 
 def info(path: str | Path) -> str:
-    """Return a human-readable summary of a checkpoint."""
+    """Return a human-readable summary of a checkpoint.
+
+    Raises:
+        CheckpointError: no checkpoint there, or its manifest is not a meta_dist manifest.
+    """
     reader = Reader(path)
     m = reader.manifest
     numel = sum(p["numel"] for p in m["params"])
-    lines = [f"checkpoint {reader.path}",
-             f"  step {m['step']} (epoch {m['epoch'] + 1}, {m['epoch_step']} steps into it)",
-             f"  saved by {m['world_size']} ranks at ZeRO level {m['zero_opt_level']}, "
-             f"precision {m['precision']}",
-             f"  optimizer {m['optimizer']['name']} {m['optimizer']['hyperparameters']}",
-             f"  {len(m['params'])} parameters, {numel:,} elements"]
+    try:
+        lines = [f"checkpoint {reader.path}",
+                 f"  step {m['step']} (epoch {m['epoch'] + 1}, {m['epoch_step']} steps into it)",
+                 f"  saved by {m['world_size']} ranks at ZeRO level {m['zero_opt_level']}, "
+                 f"precision {m['precision']}",
+                 f"  optimizer {m['optimizer']['name']} {m['optimizer']['hyperparameters']}",
+                 f"  {len(m['params'])} parameters, {numel:,} elements"]
+    except KeyError as error:
+        raise CheckpointError(f"checkpoint: {reader.path} is not a meta_dist checkpoint "
+                              f"({MANIFEST} has no {error}); expected the manifest a save "
+                              "wrote") from None
     lines += [f"    {p['name']}  {tuple(p['shape'])}  {p['dtype']}" for p in m["params"]]
     return "\n".join(lines)
 
@@ -39,19 +52,57 @@ def consolidate(path: str | Path, out: str | Path, optimizer: bool = False) -> P
     Parameter arrays are named as the model names them (``model.state()``); optimizer state
     ``optimizer/<key>/<parameter>``. The .npz (np.savez's layout: one stored ``.npy`` member per
     array) is written one parameter at a time, so it needs memory for the largest one, not the
-    model.
+    model. It is written beside ``out`` and renamed over it once complete, so a consolidation
+    that fails leaves ``out`` as it was.
+
+    Raises:
+        CheckpointError: the checkpoint cannot be read (missing, corrupt, not meta_dist's).
+        UsageError: ``out`` cannot be written (a directory, in no existing directory).
     """
     reader = Reader(path)
     whats = ["params"] + (list(reader.manifest["optimizer"]["state"]) if optimizer else [])
     out = Path(out)
-    with zipfile.ZipFile(out, "w", allowZip64=True) as archive:
-        for what in whats:
-            for name in reader.params:
-                key = name if what == "params" else f"optimizer/{what}/{name}"
-                with archive.open(f"{key}.npy", "w", force_zip64=True) as member:
-                    np.lib.format.write_array(member, reader.whole(what, name),
-                                              allow_pickle=False)
+    target = out.resolve() if out.is_symlink() else out  # replace the file, not the link
+    stream = _open_beside(target)
+    tmp = Path(stream.name)
+    try:
+        with stream, zipfile.ZipFile(stream, "w", allowZip64=True) as archive:
+            for what in whats:
+                for name in reader.params:
+                    key = name if what == "params" else f"optimizer/{what}/{name}"
+                    with archive.open(f"{key}.npy", "w", force_zip64=True) as member:
+                        np.lib.format.write_array(member, reader.whole(what, name),
+                                                  allow_pickle=False)
+            archive.close()
+            stream.flush()
+            os.fsync(stream.fileno())  # else a crash just after the rename can leave out empty
+        tmp.replace(target)
+    except OSError as error:
+        raise UsageError(f"consolidate: cannot write {out} ({error.strerror or error}); "
+                         f"expected room and permission to write it; {out} is as it was") from None
+    finally:
+        tmp.unlink(missing_ok=True)  # gone already once renamed
     return out
+
+
+def _open_beside(out: Path) -> BinaryIO:
+    """Create a new temporary file in ``out``'s directory, opened for writing.
+
+    There, so that renaming it over ``out`` is atomic; created like any new file (the umask's
+    permissions), as ``out`` would be.
+    """
+    if out.is_dir():
+        raise UsageError(f"consolidate: {out} is a directory; expected the .npz file to write, "
+                         f"e.g. {out / 'model.npz'}")
+    if not out.parent.is_dir():
+        raise UsageError(f"consolidate: {out}'s directory {out.parent} does not exist; "
+                         "expected an existing directory: create it first")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        return tmp.open("xb")
+    except OSError as error:
+        raise UsageError(f"consolidate: cannot write in {out.parent} ({error.strerror or error}); "
+                         f"expected a directory you may write, for {out}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -73,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             written = consolidate(args.path, args.out, args.optimizer)
             print(f"wrote {written}")
-    except CheckpointError as error:
+    except UsageError as error:  # CheckpointError is one
         print(error, file=sys.stderr)
-        return 2
+        return USAGE_EXIT
     return 0

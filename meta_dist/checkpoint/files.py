@@ -162,12 +162,20 @@ def _next_save_number(directory: Path) -> int:
 def resolve(path: str | Path) -> Path:
     """Return the checkpoint ``path`` names: itself, or a checkpoint_dir's latest complete one.
 
+    A checkpoint's ``manifest.json`` names the checkpoint it is in.
+
     Raises:
-        CheckpointError: nothing complete there.
+        CheckpointError: nothing complete there, or ``path`` is another file.
     """
     path = Path(path)
+    if path.name == MANIFEST and path.is_file():
+        path = path.parent
     if (path / MANIFEST).is_file():
         return path
+    if path.is_file():
+        hint = f"; pass its directory, {path.parent}" if _is_complete(path.parent) else ""
+        raise CheckpointError(f"checkpoint: {path} is a file; expected a checkpoint directory "
+                              f"({STEP_PREFIX}N) or a checkpoint_dir holding some{hint}")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint: {path} does not exist; expected a checkpoint "
                               f"directory ({STEP_PREFIX}N) or a checkpoint_dir holding some")

@@ -7,6 +7,7 @@ import it.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,10 @@ class Reader:
         path: a checkpoint directory (see ``resolve``).
         verify: check each file's checksum when first opened; without it, ``check`` does
             (the trainer shares the files out among its ranks: each is read once).
+
+    Raises:
+        CheckpointError: no checkpoint there, or its manifest is not a meta_dist manifest or
+            its shards leave some element of a parameter out.
     """
 
     def __init__(self, path: str | Path, verify: bool = True) -> None:
@@ -41,9 +46,7 @@ class Reader:
         except (OSError, ValueError) as error:
             raise CheckpointError(f"checkpoint: {self.path / MANIFEST} is not readable JSON "
                                   f"({error}); expected the manifest a save wrote") from None
-        if self.manifest.get("format") != FORMAT:
-            raise CheckpointError(f"checkpoint: {self.path / MANIFEST} has format "
-                                  f"{self.manifest.get('format')!r}; expected {FORMAT}")
+        _check_manifest(self.path, self.manifest)
         self.params = {p["name"]: p for p in self.manifest["params"]}
         self._files: dict[tuple[int, str], np.ndarray] = {}
         self._checked: set[tuple[int, str]] = set()
@@ -58,6 +61,8 @@ class Reader:
                         self._pieces[p["name"]].append(
                             (lo - p["offset"], hi - p["offset"], rank, at + lo - start))
                 at += stop - start
+        for name, pieces in self._pieces.items():
+            _check_covered(self.path, name, self.params[name]["numel"], pieces)
 
     def read(self, what: str, name: str, first: int = 0, stop: int | None = None) -> np.ndarray:
         """Return elements ``[first, stop)`` of parameter ``name``'s ``what`` (flat).
@@ -74,8 +79,18 @@ class Reader:
         return out
 
     def whole(self, what: str, name: str) -> np.ndarray:
-        """Return parameter ``name``'s ``what`` in its shape."""
-        return self.read(what, name).reshape(self.params[name]["shape"])
+        """Return parameter ``name``'s ``what`` in its shape.
+
+        Raises:
+            CheckpointError: the manifest's shape of ``name`` does not hold its ``numel``.
+        """
+        p = self.params[name]
+        if math.prod(p["shape"]) != p["numel"]:  # checked here: the trainer compares shapes
+            raise CheckpointError(f"checkpoint: {self.path / MANIFEST} gives {name} shape "
+                                  f"{tuple(p['shape'])} and {p['numel']} elements; expected "
+                                  "as many elements as the shape holds: it was edited or "
+                                  "damaged, use another checkpoint")
+        return self.read(what, name).reshape(p["shape"])
 
     def files(self) -> list[tuple[int, str]]:
         """Return every (rank, what) the checkpoint holds a file for."""
@@ -144,6 +159,66 @@ class Reader:
         if self.verify and (rank, what) not in self._checked:
             self.check(rank, what)
         return self.open(rank, what)
+
+
+def _check_manifest(path: Path, manifest: object) -> None:
+    """Raise CheckpointError unless ``manifest`` is a meta_dist manifest a Reader can use."""
+    def wrong(what: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint: {path} is not a meta_dist checkpoint ({MANIFEST} "
+                               f"{what}); expected the manifest a save wrote")
+
+    if not isinstance(manifest, dict):
+        raise wrong(f"holds a JSON {_json_kind(manifest)}, not an object")
+    if "format" not in manifest:
+        raise wrong("has no 'format'")
+    if manifest["format"] != FORMAT:
+        raise CheckpointError(f"checkpoint: {path / MANIFEST} has format "
+                              f"{manifest['format']!r}; expected {FORMAT}")
+    for key, kind in (("params", list), ("shards", list), ("optimizer", dict),
+                      ("checksums", dict)):
+        if key not in manifest:
+            raise wrong(f"has no '{key}'")
+        if not isinstance(manifest[key], kind):
+            raise wrong(f"'{key}' is a JSON {_json_kind(manifest[key])}, not "
+                        + ("a list" if kind is list else "an object"))
+    if not isinstance(manifest["optimizer"].get("state"), list):
+        raise wrong("'optimizer' has no list 'state'")
+    fields = {"name": str, "shape": list, "dtype": str, "offset": int, "numel": int}
+    for i, param in enumerate(manifest["params"]):
+        if not isinstance(param, dict) or not all(isinstance(param.get(k), t)
+                                                  for k, t in fields.items()):
+            raise wrong(f"params[{i}] is {json.dumps(param)[:80]}, not an object with "
+                        + ", ".join(f"'{k}'" for k in fields))
+        if not all(isinstance(n, int) for n in param["shape"]):
+            raise wrong(f"params[{i}] ({param['name']}) has shape {param['shape']}, not a list "
+                        "of integers")
+    for rank, ranges in enumerate(manifest["shards"]):
+        if not isinstance(ranges, list) or not all(
+                isinstance(r, list) and len(r) == 2 and all(isinstance(i, int) for i in r)
+                for r in ranges):
+            raise wrong(f"shards[{rank}] is {json.dumps(ranges)[:80]}, not a list of "
+                        "[start, stop] ranges")
+
+
+def _json_kind(value: object) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean", int: "number",
+            float: "number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _check_covered(path: Path, name: str, numel: int,
+                   pieces: list[tuple[int, int, int, int]]) -> None:
+    """Raise CheckpointError unless ``pieces`` hold every element of parameter ``name``."""
+    covered = 0
+    for lo, hi, _, _ in sorted(pieces):
+        if lo > covered:
+            break
+        covered = max(covered, hi)
+    if covered < numel:
+        gap = min((lo for lo, _, _, _ in pieces if lo > covered), default=numel)
+        raise CheckpointError(
+            f"checkpoint: {path} holds no rank's shard of elements [{covered}, {gap}) of "
+            f"parameter {name} ({numel} elements); expected the shards in {MANIFEST} to cover "
+            "every element: it was edited or damaged, use another checkpoint")
 
 
 def check_same_model(reader: Reader, params: dict[str, tuple[int, ...]]) -> None:

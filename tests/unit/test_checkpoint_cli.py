@@ -1,0 +1,174 @@
+"""The checkpoint command line without MPI: a failed consolidate keeps the earlier export, and bad
+paths and manifests end in one line and exit code 2, not a traceback."""
+
+import json
+
+import numpy as np
+import pytest
+
+from meta_dist import checkpoint
+from meta_dist.checkpoint.cli import main
+from meta_dist.errors import USAGE_EXIT
+
+PARAMS = {"0.Linear.weight": (3, 4), "0.Linear.bias": (4,)}  # 16 elements, end to end
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A checkpoint as 2 ranks at ZeRO level 1 write it: elements [0, 8) and [8, 16)."""
+    tmp = tmp_path / "ck" / f"{checkpoint.TMP_PREFIX}00000008"
+    flat = {"params": np.arange(16, dtype=np.float32), "exp_avg": -np.arange(16, dtype=np.float32)}
+    shards = [[[0, 8]], [[8, 16]]]
+    sums = {}
+    for rank, [(start, stop)] in enumerate(shards):
+        sums.update(checkpoint.save_shard(tmp, rank, {k: [a[start:stop]] for k, a in flat.items()}))
+    params, offset = [], 0
+    for name, shape in PARAMS.items():
+        numel = int(np.prod(shape))
+        params.append({"name": name, "shape": list(shape), "dtype": "float32", "offset": offset,
+                       "numel": numel})
+        offset += numel
+    manifest = {"format": checkpoint.FORMAT, "step": 8, "epoch": 0, "epoch_step": 8,
+                "world_size": 2, "zero_opt_level": 1, "precision": "fp32", "params": params,
+                "shards": shards, "checksums": sums, "buffers": [], "scaler": None,
+                "optimizer": {"name": "adam", "hyperparameters": {"lr": 0.001}, "step_count": 8,
+                              "state": ["exp_avg"]}}
+    return checkpoint.commit(tmp, manifest, keep_last=2)
+
+
+def edit_manifest(step, change):
+    path = step / checkpoint.MANIFEST
+    path.write_text(json.dumps(change(json.loads(path.read_text()))))
+
+
+def one_line_usage_error(capsys, argv):
+    """Run the command line; assert it failed with exit code 2 and one line; return the line."""
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == USAGE_EXIT, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+def test_consolidate_writes_every_parameter(saved, tmp_path, capsys):
+    out = tmp_path / "model.npz"
+    assert main(["consolidate", str(saved), str(out), "--optimizer"]) == 0
+    assert capsys.readouterr().out == f"wrote {out}\n"
+    with np.load(out) as merged:
+        np.testing.assert_array_equal(merged["0.Linear.weight"],
+                                      np.arange(12, dtype=np.float32).reshape(3, 4))
+        np.testing.assert_array_equal(merged["optimizer/exp_avg/0.Linear.bias"],
+                                      -np.arange(12, 16, dtype=np.float32))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "model.npz"]
+
+
+def test_a_failed_consolidate_leaves_the_earlier_export_as_it_was(saved, tmp_path, capsys):
+    """Rank 1's exp_avg is damaged: the error comes after the parameters were written; out.npz
+    must still be the good export (it used to hold only the parameters), and no temporary
+    file is left."""
+    out = tmp_path / "model.npz"
+    assert main(["consolidate", str(saved), str(out), "--optimizer"]) == 0
+    good = out.read_bytes()
+    shard = checkpoint.shard_file(saved, 1, "exp_avg")
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x40
+    shard.write_bytes(bytes(data))
+    line = one_line_usage_error(capsys, ["consolidate", str(saved), str(out), "--optimizer"])
+    assert "does not match its checksum" in line
+    assert out.read_bytes() == good
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "model.npz"]
+
+
+def test_consolidate_into_a_missing_directory_names_it(saved, tmp_path, capsys):
+    out = tmp_path / "nonexistent" / "dir" / "out.npz"
+    line = one_line_usage_error(capsys, ["consolidate", str(saved), str(out)])
+    assert line.startswith(f"consolidate: {out}'s directory {out.parent} does not exist; "), line
+    assert not out.parent.exists()
+
+
+def test_consolidate_onto_a_directory_names_it(saved, tmp_path, capsys):
+    line = one_line_usage_error(capsys, ["consolidate", str(saved), str(tmp_path)])
+    assert line.startswith(f"consolidate: {tmp_path} is a directory; expected the .npz "), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+@pytest.mark.parametrize("manifest, says", [
+    ([1, 2, 3], "holds a JSON list, not an object"),
+    ({"format": 1, "step": 8}, "has no 'params'"),
+    ({"name": "some other tool's manifest"}, "has no 'format'"),
+    ({"format": 1, "params": {}, "shards": []}, "'params' is a JSON object, not a list"),
+    ({"format": 1, "params": [{"name": "w"}], "shards": [], "optimizer": {"state": []},
+      "checksums": {}}, "params[0] is {\"name\": \"w\"}, not an object with 'name', 'shape'"),
+])
+@pytest.mark.parametrize("command", ["info", "consolidate"])
+def test_a_manifest_that_is_not_meta_dist_s_is_named(tmp_path, capsys, manifest, says, command):
+    step = tmp_path / "step-00000001"
+    step.mkdir()
+    (step / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    argv = [command, str(step)] + ([str(tmp_path / "out.npz")] if command == "consolidate" else [])
+    line = one_line_usage_error(capsys, argv)
+    assert line.startswith(f"checkpoint: {step} is not a meta_dist checkpoint "
+                           f"(manifest.json {says}"), line
+    assert not (tmp_path / "out.npz").exists()
+
+
+def test_info_names_a_manifest_without_what_it_shows(saved, capsys):
+    edit_manifest(saved, lambda m: {k: v for k, v in m.items() if k != "world_size"})
+    line = one_line_usage_error(capsys, ["info", str(saved)])
+    assert line.startswith(f"checkpoint: {saved} is not a meta_dist checkpoint (manifest.json "
+                           "has no 'world_size')"), line
+
+
+def test_info_of_a_manifest_file_reads_its_checkpoint(saved, capsys):
+    assert main(["info", str(saved / checkpoint.MANIFEST)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"checkpoint {saved}\n  step 8 "), out
+    assert "saved by 2 ranks at ZeRO level 1" in out
+
+
+def test_info_of_another_file_says_to_pass_its_directory(saved, capsys):
+    shard = checkpoint.shard_file(saved, 0, "params")
+    line = one_line_usage_error(capsys, ["info", str(shard)])
+    assert line == (f"checkpoint: {shard} is a file; expected a checkpoint directory (step-N) or "
+                    f"a checkpoint_dir holding some; pass its directory, {saved}")
+
+
+def test_shards_that_leave_elements_out_are_refused(saved, tmp_path, capsys):
+    """Rank 1's entry deleted from "shards": elements [8, 12) of the weight and all of the bias
+    are in no file. consolidate used to write np.empty's garbage there, with exit code 0."""
+    edit_manifest(saved, lambda m: {**m, "shards": m["shards"][:1]})
+    out = tmp_path / "model.npz"
+    line = one_line_usage_error(capsys, ["consolidate", str(saved), str(out)])
+    assert line.startswith(f"checkpoint: {saved} holds no rank's shard of elements [8, 12) of "
+                           "parameter 0.Linear.weight (12 elements); "), line
+    assert not out.exists()
+    with pytest.raises(checkpoint.CheckpointError, match=r"\[8, 12\) of parameter 0.Linear"):
+        checkpoint.Reader(saved)
+
+
+def test_shards_that_leave_a_gap_inside_a_parameter_are_refused(saved):
+    edit_manifest(saved, lambda m: {**m, "shards": [[[0, 5]], [[8, 16]]]})
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"elements \[5, 8\) of parameter 0.Linear.weight"):
+        checkpoint.Reader(saved)
+
+
+def test_a_shape_that_does_not_hold_numel_is_named(saved, tmp_path, capsys):
+    edit_manifest(saved, lambda m: {**m, "params": [{**m["params"][0], "shape": [9, 9]},
+                                                    *m["params"][1:]]})
+    line = one_line_usage_error(capsys, ["consolidate", str(saved), str(tmp_path / "m.npz")])
+    assert line.startswith(f"checkpoint: {saved / 'manifest.json'} gives 0.Linear.weight shape "
+                           "(9, 9) and 12 elements; "), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_consolidate_through_a_link_replaces_the_file_it_names(saved, tmp_path):
+    (tmp_path / "exports").mkdir()
+    real = tmp_path / "exports" / "model.npz"
+    real.write_bytes(b"an older export")
+    link = tmp_path / "model.npz"
+    link.symlink_to(real)
+    assert main(["consolidate", str(saved), str(link)]) == 0
+    assert link.is_symlink() and sorted(p.name for p in real.parent.iterdir()) == ["model.npz"]
+    with np.load(real) as merged:
+        assert merged["0.Linear.bias"].shape == (4,)
