@@ -6,6 +6,7 @@ Imports numpy only. Data stays on the host; the trainer moves each batch to the 
 from __future__ import annotations
 
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -114,6 +115,32 @@ def check_samples(x: np.ndarray, y: np.ndarray, input_shape: tuple[int, ...], nu
             f"{source}: {len(x)} samples, fewer than one global batch (train_config.batch_size "
             f"{batch_size}); set batch_size to at most {len(x)} (a multiple of the ranks) or "
             "give more samples")
+
+
+def check_same_data(x: np.ndarray, y: np.ndarray,
+                    allgather: Callable[[object], list]) -> None:
+    """Raise UsageError on every rank unless every rank holds the same dataset. Collective.
+
+    Each rank takes its part of every global batch from the whole dataset by index
+    (``DistributedSampler``): data that differs between ranks (a file another node holds in
+    another version) trains on batches nobody meant, without a word. Compared: the samples'
+    count, shape and dtype, and a CRC-32 of the labels and of at most 1,024 evenly spaced
+    samples (cheap at any size).
+
+    Args:
+        x, y: this rank's samples and labels (host arrays).
+        allgather: returns the list of every rank's object (``MPIConnector.allgather``).
+    """
+    crc = zlib.crc32(np.ascontiguousarray(x[:: max(1, len(x) // 1024)]).tobytes())
+    crc = zlib.crc32(np.ascontiguousarray(y).tobytes(), crc)
+    every = allgather((len(x), tuple(x.shape[1:]), str(x.dtype), len(y), str(y.dtype), crc))
+    if len(set(every)) > 1:
+        listing = "; ".join(f"rank {r}: {n} samples of shape {shape} {dtype}, checksum {c:08x}"
+                            for r, (n, shape, dtype, _, _, c) in enumerate(every))
+        raise UsageError(
+            f"fit: the ranks hold different data ({listing}); expected the same dataset on "
+            "every rank (each takes its part of every batch by index): give every node the "
+            "same data file")
 
 
 DIGITS = Path(__file__).with_name("digits.csv.gz")

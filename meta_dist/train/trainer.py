@@ -28,7 +28,7 @@ from meta_dist.nn.model import Sequential
 from meta_dist.trace import Trace
 from meta_dist.train import checkpointing
 from meta_dist.train.build import make_stage, param_name, resolve_overlap
-from meta_dist.train.data import DistributedSampler
+from meta_dist.train.data import DistributedSampler, check_same_data
 from meta_dist.train.guard import StepGuard
 from meta_dist.train.memory import PeakMeter
 from meta_dist.train.scaler import LossScaler
@@ -203,7 +203,7 @@ class Trainer:
         before the first step, every ``eval_every`` steps and after the last.
 
         Raises:
-            UsageError: fewer samples than one batch; the warmup is longer than the run;
+            UsageError: the ranks hold different data; fewer samples than one batch; the warmup is longer than the run;
                 checkpoint_dir or trace cannot be
                 written; checkpoint_dir holds another run's checkpoints and resume_from is not
                 set (checked before the first step).
@@ -213,6 +213,7 @@ class Trainer:
                 prints ``stopped by SIGTERM after step N``.
         """
         tcfg = self.config.train
+        check_same_data(x, y, self.context.connector.allgather)
         if len(x) < tcfg.batch_size:  # the same data on every rank: every rank says it
             where = self.config.sources.get("train_config.batch_size", "code")
             raise UsageError(

@@ -24,6 +24,7 @@ from meta_dist import MPIConnector
 from meta_dist.comm.mpi_backend import MpiCommunicator
 from meta_dist.config import load_config
 from meta_dist.distributed import DistContext
+from meta_dist.errors import UsageError
 from meta_dist.nn.init import deferred
 from meta_dist.nn.layers import Linear, ReLU, Tanh
 from meta_dist.models.gpt import gpt
@@ -677,6 +678,26 @@ def test_a_gpt_built_deferred_is_the_gpt_built_at_once(contexts, level):
             trainer.train_step(x[batch][mine], y[batch][mine])
         params.append(trainer.stage.full_params())
     np.testing.assert_array_equal(params[1], params[0])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_data_that_differs_between_ranks_is_refused_on_every_rank(contexts):
+    """Each rank takes its part of every batch from the whole dataset by index: a file that
+    differs on one node trained on batches nobody meant, without a word (or failed deep in a
+    collective when the sizes differed). Now every rank refuses it before the first step,
+    naming each rank's data."""
+    world, _ = contexts
+    x, y, loss_fn = data("deep", "float32")
+    y = y.copy()
+    if world.rank == world.size - 1:
+        y[-1] = (y[-1] + 1) % MODELS["deep"][2]  # one label of one sample
+    trainer = trainer_on(world, "deep", half_config(0, "fp32", n_epoch=1), "float32", loss_fn)
+    before = trainer.stage.full_params().copy()
+    with pytest.raises(UsageError, match=rf"fit: the ranks hold different data \(rank 0: "
+                                         rf"{len(x)} samples of shape .*rank {world.size - 1}: "
+                                         r".*give every node the same data file"):
+        trainer.fit(x, y)
+    np.testing.assert_array_equal(trainer.stage.full_params(), before)
 
 
 @pytest.mark.mpi(min_size=2)
