@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from meta_dist.nn.grad_blocks import ParamBlocks, read_rows, write_grad
+from meta_dist.nn.grad_blocks import ParamBlocks, read_rows, sum_rows, write_grad
 from meta_dist.nn.init import DeferredValues, draw
 from meta_dist.xp import array_module
 
@@ -208,7 +208,7 @@ class Linear(Layer):
             x2[:, first:stop].T, d2, out))
         if "bias" in self.grads:
             write_grad(self.grads["bias"],
-                       lambda first, stop, out: d2[:, first:stop].sum(axis=0, out=out))
+                       lambda first, stop, out: sum_rows(d2[:, first:stop], out))
         if not self.input_grad:
             return None
         weight = self.params["weight"]

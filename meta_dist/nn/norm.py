@@ -15,7 +15,7 @@ import types
 
 import numpy as np
 
-from meta_dist.nn.grad_blocks import write_grad
+from meta_dist.nn.grad_blocks import sum_rows, write_grad
 from meta_dist.nn.layers import Layer, _check_last_axis, _positive
 from meta_dist.xp import array_module
 
@@ -169,10 +169,10 @@ class LayerNorm(Layer):
         """Write dweight and dbias in place; return dx (None when ``input_grad`` is False)."""
         d2 = dout.reshape(-1, self.dim)
         xhat2 = self.xhat.reshape(-1, self.dim)
-        write_grad(self.grads["weight"], lambda first, stop, out: (
-            d2[:, first:stop] * xhat2[:, first:stop]).sum(axis=0, out=out))
+        write_grad(self.grads["weight"], lambda first, stop, out: sum_rows(
+            d2[:, first:stop] * xhat2[:, first:stop], out))
         write_grad(self.grads["bias"],
-                   lambda first, stop, out: d2[:, first:stop].sum(axis=0, out=out))
+                   lambda first, stop, out: sum_rows(d2[:, first:stop], out))
         if not self.input_grad:
             return None
         # dx = (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)) / std, means over the last axis

@@ -19,7 +19,7 @@ import numpy as np
 from meta_dist.nn.composite import Composite
 from meta_dist.nn.dropout import Dropout, derive_seed
 from meta_dist.nn.embedding import Embedding
-from meta_dist.nn.grad_blocks import write_grad
+from meta_dist.nn.grad_blocks import sum_rows, write_grad
 from meta_dist.nn.layers import GELU, Layer, Linear, _check_last_axis, _matmul_into, _positive
 from meta_dist.nn.norm import LayerNorm
 from meta_dist.xp import array_module
@@ -216,7 +216,7 @@ class TokenAndPosition(Composite):
     def backward(self, dout):
         """Write dwpe (summed over the batch) then dwte; return None (ids have no gradient)."""
         dsum = self.drop.backward(dout)
-        self.wpe.backward(dsum.sum(axis=0))
+        self.wpe.backward(sum_rows(dsum))
         self.wte.backward(dsum)
 
 

@@ -450,3 +450,21 @@ def test_float16_extremes_give_the_float64_result_rounded():
     qkv[0, :, 128:] = np.array([[1.0], [3.0]], np.float16)
     out = attention.forward(qkv)
     np.testing.assert_array_equal(out[0, 1], np.full(64, 2.0, np.float16))  # equal scores
+
+
+def test_16_bit_parameter_gradients_summed_over_rows_add_up_in_float32():
+    """numpy adds float16 rows one at a time in float16: 4096 ones summed to 2048, so a bias
+    gradient over 4096 tokens was half what it is (PyTorch's AMP keeps these in float32). The
+    sums over rows (Linear's bias, LayerNorm's weight and bias, the position embedding) add
+    up in float32 and round once."""
+    from meta_dist.nn.norm import LayerNorm
+
+    layer = Linear(3, 2, rng=np.random.default_rng(0), dtype=np.float16)
+    layer.forward(np.zeros((4096, 3), np.float16))
+    layer.backward(np.ones((4096, 2), np.float16))
+    np.testing.assert_array_equal(layer.grads["bias"], [4096, 4096])
+    norm = LayerNorm(2, dtype=np.float16)
+    norm.forward(np.tile(np.array([[-1, 1]], np.float16), (4096, 1)))
+    norm.backward(np.ones((4096, 2), np.float16))
+    np.testing.assert_array_equal(norm.grads["bias"], [4096, 4096])
+    np.testing.assert_allclose(norm.grads["weight"], [-4096, 4096], rtol=1e-3)
