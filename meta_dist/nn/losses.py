@@ -37,7 +37,10 @@ def _check_labels(api: str, scores, labels) -> None:
 def softmax_cross_entropy(logits, labels):
     """Return the mean cross-entropy of ``softmax(logits)`` against integer labels, and its grad.
 
-    Uses a stable log-sum-exp (the row max is subtracted before ``exp``).
+    Uses a stable log-sum-exp (the row max is subtracted before ``exp``). 16-bit logits are
+    taken in float32 (as PyTorch's autocast does): the loss and ``dlogits`` come back in
+    float32, for the caller to scale (fp16's loss scale) before it rounds them, since
+    ``1 / N`` of a probability underflows float16 for large N.
 
     Args:
         logits: (N, C) float array.
@@ -53,6 +56,8 @@ def softmax_cross_entropy(logits, labels):
     """
     _check_labels("softmax_cross_entropy", logits, labels)
     xp = array_module(logits)
+    if logits.dtype.itemsize < 4:
+        logits = logits.astype(np.float32)
     n = logits.shape[0]
     rows = xp.arange(n)
     shifted = logits - logits.max(axis=1, keepdims=True)

@@ -165,12 +165,15 @@ class Trainer:
             inputs = x[i * n : (i + 1) * n]
             if inputs.dtype.kind == "f" and inputs.dtype != self.work_dtype:
                 inputs = inputs.astype(self.work_dtype)  # the layers compute in the precision
-            loss, dout = self.loss_fn(self.model.forward(inputs), y[i * n : (i + 1) * n])
+            output = self.model.forward(inputs)
+            loss, dout = self.loss_fn(output, y[i * n : (i + 1) * n])
             if trace is not None:
                 trace.end("forward", "phase", start)
                 start = trace.begin()
             if scale != 1.0:  # in float32, rounded once: 2**16 itself is inf in float16
-                dout = (dout.astype(np.float32) * np.float32(scale)).astype(dout.dtype)
+                dout = (dout.astype(np.float32) * np.float32(scale)).astype(output.dtype)
+            elif dout.dtype != output.dtype:  # a loss taken in float32 (softmax_cross_entropy)
+                dout = dout.astype(output.dtype)
             self.model.backward(dout)
             self.stage.end_micro()
             if trace is not None:
