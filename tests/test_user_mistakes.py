@@ -134,6 +134,21 @@ def test_a_mistake_is_one_message_for_the_job(tmp_path, words, expected):
     assert_one_message(result, *expected)
 
 
+@pytest.mark.parametrize("words, expected", [
+    (["data_path=README.md"], ["train_config.data_path (set in command line)",
+                              "not used by train_gpt.py"]),
+    (["dataset=digits", "input_shape=[1,8,8]"], ["train_config.dataset", "input_shape",
+                                                 "not used by train_gpt.py"]),
+    (["block_size=50000"], ["block_size", "got 50000", "expected at most"]),
+])
+def test_the_gpt_script_refuses_what_it_would_ignore(words, expected):
+    """train_gpt.py trains on the standard library's characters: a data file or dataset given
+    to it was ignored without a word, and a block_size longer than the held-out text was a
+    ValueError from numpy on every rank."""
+    result = run(2, ["scripts/distributed/train_gpt.py", "max_steps=1", *words], timeout=120)
+    assert_one_message(result, *expected)
+
+
 def test_a_mistake_alone_is_one_message_without_mpirun():
     done = subprocess.run([sys.executable, EXAMPLE, "zero_opt_levle=1"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, check=False)

@@ -18,6 +18,7 @@ import numpy as np
 
 from meta_dist import distributed as dist
 from meta_dist.config import check_world, format_config, load_config, parse_cli
+from meta_dist.errors import UsageError
 from meta_dist.models.gpt import gpt
 from meta_dist.nn.losses import cross_entropy_tokens
 from meta_dist.train import Trainer, array_module_for
@@ -45,6 +46,7 @@ train_config = {
 }
 meta_dist_config = {"enable_data_parallel": True, "zero_opt_level": 0}
 EVAL_WINDOWS = 256  # validation windows per evaluation (shared out among the ranks)
+UNUSED_KEYS = ("data_path", "dataset", "input_shape", "num_classes")  # dist_example's data
 SAMPLE_CHARS = 80
 
 
@@ -109,6 +111,23 @@ def sample(trainer, vocab, prompt, count, seed):
     return "".join(vocab[i] for i in ids)
 
 
+def check_keys(config, corpus_chars):
+    """Raise UsageError for a key this script would ignore, or a block_size the corpus lacks."""
+    given = [f"train_config.{key} (set in {config.sources[f'train_config.{key}']})"
+             for key in UNUSED_KEYS
+             if config.sources.get(f"train_config.{key}", "default") != "default"]
+    if given:
+        raise UsageError(f"{', '.join(given)}: not used by train_gpt.py, which trains on the "
+                         "characters of Python's standard library; remove it (dist_example.py "
+                         "takes a data file)")
+    held_out = corpus_chars - int(corpus_chars * 0.9)
+    if config.train.block_size >= held_out:
+        where = config.sources.get("train_config.block_size", "default")
+        raise UsageError(f"train_config.block_size (set in {where}): longer than the held-out "
+                         f"text; got {config.train.block_size}, expected at most "
+                         f"{held_out - 1}")
+
+
 def main(argv):
     # a mistake in the config raises UsageError: one message for the job (meta_dist.failfast)
     config = load_config(train_config, meta_dist_config,
@@ -117,6 +136,7 @@ def main(argv):
     check_world(config, context.size)
     tcfg = config.train
     ids, vocab = char_corpus()
+    check_keys(config, len(ids))
     cut = int(len(ids) * 0.9)
     x_train, y_train = windows(ids[:cut], tcfg.block_size)
     x_val, y_val = windows(ids[cut:], tcfg.block_size)
