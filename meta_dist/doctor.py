@@ -32,6 +32,13 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
+    if argv:  # every rank reads the same words: each leaves alike, before MPI starts
+        from meta_dist import failfast
+
+        print(f"python -m meta_dist doctor: unexpected argument {argv[0]!r}; it takes none "
+              "(usage: mpirun -np N python -m meta_dist doctor)", file=sys.stderr)
+        failfast.leave_together(2)
+        return 2
     from meta_dist import failfast
     from meta_dist.connector import MPIConnector
     from meta_dist.errors import UsageError

@@ -79,12 +79,20 @@ def merge(folder: str | Path, out: str | Path) -> int:
 
     Raises:
         FileNotFoundError: ``folder`` holds no trace files.
+        ValueError: a file is not a trace (cut off by a killed rank, say); the message names it.
     """
     files = sorted(Path(folder).glob("trace-rank*.json"))
     if not files:
         raise FileNotFoundError(f"trace merge: no trace-rank*.json in {folder}; expected the "
                                 "folder a run's meta_dist_config.trace named")
-    events = [event for path in files for event in json.loads(path.read_text())["traceEvents"]]
+    events = []
+    for path in files:
+        try:
+            events += json.loads(path.read_text())["traceEvents"]
+        except (ValueError, KeyError, TypeError) as error:  # JSONDecodeError is a ValueError
+            raise ValueError(f"trace merge: {path} is not a whole trace ({type(error).__name__}: "
+                             f"{error}); expected the JSON a rank writes at the end of fit: "
+                             "leave it out (a rank killed while writing cuts it off)") from None
     events.sort(key=lambda event: (event["ph"] != "M", event.get("ts", 0.0)))
     Path(out).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     return len(events)
@@ -97,7 +105,7 @@ def cli(argv: list[str]) -> int:
         return 2
     try:
         count = merge(argv[1], argv[2])
-    except FileNotFoundError as error:
+    except (FileNotFoundError, ValueError) as error:
         print(error, file=sys.stderr)
         return 2
     print(f"{argv[2]}: {count} events from {argv[1]}")

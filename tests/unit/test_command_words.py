@@ -1,0 +1,29 @@
+"""``python -m meta_dist`` commands given words they cannot use: one line and exit 2, no MPI."""
+
+import json
+import subprocess
+import sys
+
+from meta_dist import trace
+
+ROOT = __file__.rsplit("/tests/", 1)[0]
+
+
+def test_the_doctor_refuses_an_argument():
+    """It ran all its checks and passed whatever followed it (doctor --foo exited 0)."""
+    done = subprocess.run([sys.executable, "-m", "meta_dist", "doctor", "--foo"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "doctor: unexpected argument '--foo'; it takes none" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_trace_merge_names_a_file_that_is_cut_off(tmp_path, capsys):
+    """A rank killed while writing its trace left half a file: a JSONDecodeError traceback."""
+    whole = {"traceEvents": [{"name": "step", "ph": "X", "pid": 0, "tid": 0, "ts": 1.0}]}
+    (tmp_path / "trace-rank00000.json").write_text(json.dumps(whole))
+    (tmp_path / "trace-rank00001.json").write_text(json.dumps(whole)[:30])
+    assert trace.cli(["merge", str(tmp_path), str(tmp_path / "all.json")]) == 2
+    said = capsys.readouterr().err
+    assert "trace-rank00001.json is not a whole trace" in said and "leave it out" in said
+    assert not (tmp_path / "all.json").exists()
