@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_config import raises as raises_any
 
 from meta_dist.config import load_config
 from meta_dist.errors import UsageError
@@ -22,12 +23,7 @@ def write(tmp_path: Path, data: str | bytes, name: str = "run.yaml") -> str:
 
 def raises(call, *parts: str) -> str:
     """Call, expect UsageError, and check its message holds every part; return the message."""
-    with pytest.raises(UsageError) as info:
-        call()
-    msg = str(info.value)
-    for part in parts:
-        assert part in msg, f"{part!r} not in {msg!r}"
-    return msg
+    return raises_any(UsageError, call, *parts)
 
 
 # --- encodings -------------------------------------------------------------------------------
