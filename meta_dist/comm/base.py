@@ -19,7 +19,7 @@ import numpy as np
 
 from meta_dist.comm import plans
 from meta_dist.comm.checks import DTYPES
-from meta_dist.comm.consistency import ConsistencyCheck, advised
+from meta_dist.comm.consistency import ConsistencyCheck, advised, agree_settings
 from meta_dist.comm.fusion import Fusion
 from meta_dist.comm.streams import CommStream
 from meta_dist.comm.worker import CommThreads, Handle
@@ -70,8 +70,9 @@ class Communicator(ABC):
         self.check = check
         self.stall_timeout = stall_timeout = resolve_stall_timeout(stall_timeout)
         thread_level = MPI.Query_thread()  # async calls need THREAD_MULTIPLE
-        self._agree({"check": check, "thread_level": thread_level,
-                     "watchdog": stall_timeout is not None, **self._call_settings()})
+        agree_settings(connector, type(self).__name__, {
+            "check": check, "thread_level": thread_level, "watchdog": stall_timeout is not None,
+            **self._call_settings()})
         self._check_comm = connector.comm.Dup()
         self._consistency = ConsistencyCheck(self._check_comm, every_call=check)
         self._threads = CommThreads(connector, thread_level, stall_timeout, self._worker_started,
@@ -200,10 +201,8 @@ class Communicator(ABC):
     def send_async(self, send: Any, peer: int) -> Handle:
         """Start ``send`` and return a Handle at once; see ``send``.
 
-        Point-to-point operations are not queued behind the collectives: sends to each peer run
-        in order on a thread of their own, and receives from each peer on another, as
-        MPI_Isend/MPI_Irecv would, so two ranks may each start a send to the other and then
-        receive without deadlocking. Do not touch ``send`` until ``wait()`` returns.
+        Sends to each peer run in order beside the collectives, as MPI_Isend would (see
+        ``comm.worker``). Do not touch ``send`` until ``wait()`` returns.
         """
         return self._start_p2p("send", plans.send, send, peer)
 
@@ -277,20 +276,16 @@ class Communicator(ABC):
         they raise there at once, naming the refusal (see ``ConsistencyCheck.refuse``).
         """
         try:
-            run, device = self._made(make, *args)
+            return self._placed(make, args, None if self.check else api)
         except Exception as error:  # anything refused before the check
             if self.size > 1 and self.check and not self.closed:
                 reason = f"{type(error).__name__}: {error}"
                 self._threads.run(lambda: self._consistency.refuse(api, reason), api)
             raise
-        if not self.check:
-            run = advised(run, api)
-        return run if device is None else self.stream.place(run, device.id)
 
     def _p2p(self, make: Callable[..., plans.Run], arrays: Any, peer: int) -> plans.Run:
         """Plan a send or receive. Only two ranks take part: a refusal is this rank's alone."""
-        run, device = self._made(make, arrays, peer)
-        return run if device is None else self.stream.place(run, device.id)
+        return self._placed(make, (arrays, peer))
 
     def _start_p2p(self, api: str, make: Callable[..., plans.Run], arrays: Any,
                    peer: int) -> Handle:
@@ -309,21 +304,22 @@ class Communicator(ABC):
         self._fingerprint("barrier", [])
         self._barrier()
 
-    def _made(self, make: Callable[..., plans.Run], *args: Any) -> tuple[plans.Run, Any]:
-        """Return ``make(self, *args)`` and the GPU of its arrays (None: host arrays).
+    def _placed(self, make: Callable[..., plans.Run], args: tuple,
+                advise: str | None = None) -> plans.Run:
+        """Return ``make(self, *args)`` (``advised`` for ``advise``), placed on its arrays' GPU.
 
         A call on CuPy arrays is planned, and later run (``comm.streams``), on the arrays' GPU,
         whichever device is current: what the plan makes (results for ``out=None``,
         contiguous copies) lands there.
         """
         arrays = args[0]
-        if type(arrays) is np.ndarray:  # the common case, decided in one type test
-            return make(self, *args), None
         first = arrays[0] if isinstance(arrays, (list, tuple)) and arrays else arrays
-        if not is_cupy_array(first):
-            return make(self, *args), None
+        if type(arrays) is np.ndarray or not is_cupy_array(first):  # the first: one type test
+            run = make(self, *args)
+            return run if advise is None else advised(run, advise)
         with first.device:
-            return make(self, *args), first.device
+            run = make(self, *args)
+        return self.stream.place(run if advise is None else advised(run, advise), first.device.id)
 
     def _average(self, flat: Any, op: str) -> None:
         """Divide sums by size for op "avg": the only place gradients get averaged."""
@@ -355,24 +351,6 @@ class Communicator(ABC):
     def _call_settings(self) -> dict[str, Any]:
         """Return the backend's settings that decide which library calls a collective makes."""
         return {}
-
-    def _agree(self, settings: dict[str, Any]) -> None:
-        """Raise ValueError on every rank unless every rank has these settings. Collective.
-
-        Each one decides which calls a collective makes (the check's extra allreduce, where the
-        pairwise exchange starts): a rank with other values would leave its peers waiting.
-        """
-        if self.size == 1:
-            return
-        every = self.connector.allgather(settings)
-        differ = [k for k in settings if any(s[k] != settings[k] for s in every)]
-        if differ:
-            listing = "; ".join(f"rank {r}: " + ", ".join(f"{k}={s[k]!r}" for k in differ)
-                                for r, s in enumerate(every))
-            raise ValueError(
-                f"{type(self).__name__}: settings differ across ranks: {listing}; expected the "
-                "same values on every rank (set META_DIST_CHECK, META_DIST_CUDA_AWARE_MPI, "
-                "mpi4py.rc.thread_level and the communicator's arguments alike everywhere)")
 
     # ---------------------------------------------------------------- backend primitives
 

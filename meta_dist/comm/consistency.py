@@ -5,7 +5,8 @@ root, dtype, shapes, array kind) with one small allreduce (max of x and of -x gi
 at once); on a difference every rank raises the same ValueError listing each rank's arrays. A
 rank that refused its own arguments sends a pair no call has, so its peers fail the same call
 at once instead of waiting for it. With the per-call check off, ``advised`` makes a failing
-MPI call say how to see which ranks differ. (A rank that never arrives is the stall watchdog's:
+MPI call say how to see which ranks differ; ``agree_settings`` compares, once, the settings
+that decide which calls a collective makes. (A rank that never arrives is the stall watchdog's:
 ``meta_dist.watchdog``.)
 """
 
@@ -169,6 +170,25 @@ def _call(api: str, arrays: list[Any], op: str, root: int) -> dict[str, Any]:
             "dtype": str(arrays[0].dtype), "size": sum(int(a.size) for a in arrays),
             "shapes": [tuple(a.shape) for a in arrays],
             "arrays": "cupy arrays" if kind else "numpy arrays", "described": f"{api} of {shown}"}
+
+
+def agree_settings(connector: Any, owner: str, settings: dict[str, Any]) -> None:
+    """Raise ValueError on every rank unless every rank has these settings. Collective.
+
+    Each one decides which calls a collective makes (the check's extra allreduce, where the
+    pairwise exchange starts): a rank with other values would leave its peers waiting.
+    """
+    if connector.size == 1:
+        return
+    every = connector.allgather(settings)
+    differ = [k for k in settings if any(s[k] != settings[k] for s in every)]
+    if differ:
+        listing = "; ".join(f"rank {r}: " + ", ".join(f"{k}={s[k]!r}" for k in differ)
+                            for r, s in enumerate(every))
+        raise ValueError(
+            f"{owner}: settings differ across ranks: {listing}; expected the same values on "
+            "every rank (set META_DIST_CHECK, META_DIST_CUDA_AWARE_MPI, "
+            "mpi4py.rc.thread_level and the communicator's arguments alike everywhere)")
 
 
 def advised(run: Callable[[], Any], api: str) -> Callable[[], Any]:
