@@ -60,8 +60,7 @@ class Ticket:
 
 
 class CommStream:
-    """A communicator's own non-blocking stream on each GPU its arrays live on, and calls placed
-    on it.
+    """A communicator's own non-blocking stream on each GPU its arrays use, and calls placed on it.
 
     Attributes:
         streams: device -> its stream. The NCCL backend puts its own there; others are made
