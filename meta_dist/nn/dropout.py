@@ -108,12 +108,11 @@ def set_dropout_rank(layers: Iterable[Layer], rank: int) -> None:
 
 
 def number_forward(layers: Iterable[Dropout], number: int) -> None:
-    """Make the next training forward the ``number``-th for each of ``layers`` (``dropouts``'
-    list): its masks are drawn from ``calls`` ``number * FORWARD_STRIDE`` on.
+    """Number the next training forward of each of ``layers`` (``dropouts``' list).
 
-    The trainer numbers each micro-batch by the step and its place in it, so the masks follow
-    from the step alone, and a run resumed from a checkpoint draws what the uninterrupted run
-    drew.
+    Its masks are drawn from ``calls`` ``number * FORWARD_STRIDE`` on. The trainer numbers
+    each micro-batch by the step and its place in it, so the masks follow from the step alone,
+    and a run resumed from a checkpoint draws what the uninterrupted run drew.
     """
     first = _seed("number_forward", "number", number) * FORWARD_STRIDE
     for dropout in layers:

@@ -78,13 +78,12 @@ def _manifest(trainer: Trainer,
 
 
 def check_directories(trainer: Trainer) -> None:
-    """Raise UsageError on every rank, before any step, if fit's files could not be written
-    where the config says, or would replace another run's checkpoints. Collective.
+    """Raise UsageError on every rank if fit could not write its files, or would replace others.
 
-    A new run (no resume_from) in a checkpoint_dir that holds complete checkpoints would
-    replace those of its step numbers and prune the rest: refused, not lost. A checkpoint_dir
-    or trace folder that is a file or not writable would fail only at the first save, after
-    the steps before it.
+    Collective, before any step. A new run (no resume_from) in a checkpoint_dir that holds
+    complete checkpoints would replace those of its step numbers and prune the rest: refused,
+    not lost. A checkpoint_dir or trace folder that is a file or not writable would fail only
+    at the first save, after the steps before it.
     """
     config = trainer.config
     folders = {"train_config.checkpoint_dir": config.train.checkpoint_dir,

@@ -128,7 +128,8 @@ def check_same_data(x: np.ndarray, y: np.ndarray,
     samples (cheap at any size).
 
     Args:
-        x, y: this rank's samples and labels (host arrays).
+        x: this rank's samples (a host array).
+        y: this rank's labels (a host array).
         allgather: returns the list of every rank's object (``MPIConnector.allgather``).
     """
     crc = zlib.crc32(np.ascontiguousarray(x[:: max(1, len(x) // 1024)]).tobytes())

@@ -21,9 +21,9 @@ import meta_dist.failfast as failfast
 from meta_dist import distributed as dist
 from meta_dist.config import Config, check_same_everywhere, check_world
 from meta_dist.errors import UsageError
+from meta_dist.nn.dropout import dropouts, number_forward, set_dropout_rank
 from meta_dist.nn.init import DeferredValues
 from meta_dist.nn.losses import softmax_cross_entropy
-from meta_dist.nn.dropout import dropouts, number_forward, set_dropout_rank
 from meta_dist.nn.model import Sequential
 from meta_dist.trace import Trace
 from meta_dist.train import checkpointing
@@ -200,14 +200,14 @@ class Trainer:
         and micro-batches) is averaged over all ranks with one small allreduce per epoch.
         With ``resume_from`` the run continues where the checkpoint left off (the very next
         batch), and returns the losses of the epochs it ran; with ``checkpoint_dir`` it saves
-        every ``checkpoint_every`` steps and after the last (0: at each epoch's end). With ``max_steps`` the run
-        is that many optimizer steps instead (as many epochs as they take, the last cut
-        short). ``evaluate(step)`` (collective: every rank calls it at the same steps) runs
-        before the first step, every ``eval_every`` steps and after the last.
+        every ``checkpoint_every`` steps and after the last (0: at each epoch's end). With
+        ``max_steps`` the run is that many optimizer steps instead (as many epochs as they
+        take, the last cut short). ``evaluate(step)`` (collective: every rank calls it at the
+        same steps) runs before the first step, every ``eval_every`` steps and after the last.
 
         Raises:
-            UsageError: the ranks hold different data; fewer samples than one batch; the warmup is longer than the run;
-                checkpoint_dir or trace cannot be
+            UsageError: the ranks hold different data; fewer samples than one batch; the
+                warmup is longer than the run; checkpoint_dir or trace cannot be
                 written; checkpoint_dir holds another run's checkpoints and resume_from is not
                 set (checked before the first step).
             CheckpointError: the checkpoint to resume from cannot be used.
