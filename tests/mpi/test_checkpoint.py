@@ -88,15 +88,16 @@ def test_dropout_masks_follow_the_step_and_the_rank(world, shared_dir):
         rng = np.random.default_rng(7)
         model = Sequential(Linear(4, 16, rng=rng, dtype=np.float32), Tanh(),
                            Dropout(0.3, seed=11), Linear(16, 3, rng=rng, dtype=np.float32))
-        config = make_config(2, "adam", "float32", bucket_mb=2e-4, batch=BATCH, n_epoch=2,
-                             n_mini_batch=3, grad_accum_steps=2, **train)
+        # 2 micro-batches of 120 / (2 x ranks) samples at 1-5 ranks; 2 epochs of 2 steps
+        config = make_config(2, "adam", "float32", bucket_mb=2e-4, batch=2 * BATCH, n_epoch=2,
+                             n_mini_batch=2, grad_accum_steps=2, **train)
         return Trainer(model, config, context=world, loss_fn=softmax_cross_entropy, log=None)
 
     x, y = data()
     whole = with_dropout()
     whole.fit(x, y)
-    with_dropout(checkpoint_dir=shared_dir, checkpoint_every=4).fit(x, y)
-    resumed = with_dropout(checkpoint_dir=shared_dir, resume_from=f"{shared_dir}/step-00000004")
+    with_dropout(checkpoint_dir=shared_dir, checkpoint_every=3).fit(x, y)  # steps 3 and 4
+    resumed = with_dropout(checkpoint_dir=shared_dir, resume_from=f"{shared_dir}/step-00000003")
     resumed.fit(x, y)
     np.testing.assert_array_equal(resumed.stage.full_params(), whole.stage.full_params())
     masks = world.connector.allgather(whole.model.layers[2].mask)
