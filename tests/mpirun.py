@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +98,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> Result:
     except subprocess.TimeoutExpired:
         end_job(proc)
         output, _ = proc.communicate()
+        remove_session_dir(proc.pid)
         return Result(proc.returncode, output, True)
 
 
@@ -153,6 +155,17 @@ def end_job(proc: subprocess.Popen) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def remove_session_dir(pid: int) -> None:
+    """Remove the session directory a killed Open MPI launcher (process ``pid``) left behind.
+
+    Open MPI 5's launcher keeps it at $TMPDIR/ompi.<its pid> and removes it as it exits, but not
+    when killed; a later launcher given the same pid then fails at once ("The PMIx server's
+    listener thread failed to start", exit 213; seen twice in one CI run, and made to happen by
+    copying a stale one to the next pids). Call it once the launcher is gone.
+    """
+    shutil.rmtree(Path(tempfile.gettempdir()) / f"ompi.{pid}", ignore_errors=True)
 
 
 def run(n: int, args: list[str], *, timeout: float = 300, hostfile: str | None = None,
