@@ -38,19 +38,23 @@ def info(path: str | Path) -> str:
                  f"precision {m['precision']}",
                  f"  optimizer {m['optimizer']['name']} {m['optimizer']['hyperparameters']}",
                  f"  {len(m['params'])} parameters, {numel:,} elements"]
+        lines += [f"    {p['name']}  {tuple(p['shape'])}  {p['dtype']}" for p in m["params"]]
+        if m.get("buffers"):  # BatchNorm's running statistics, as the root rank had them
+            lines.append(f"  {len(m['buffers'])} buffers (not trained)")
+            lines += [f"    {b['name']}  {tuple(b['shape'])}  {b['dtype']}" for b in m["buffers"]]
     except KeyError as error:
         raise CheckpointError(f"checkpoint: {reader.path} is not a meta_dist checkpoint "
                               f"({MANIFEST} has no {error}); expected the manifest a save "
                               "wrote") from None
-    lines += [f"    {p['name']}  {tuple(p['shape'])}  {p['dtype']}" for p in m["params"]]
     return "\n".join(lines)
 
 
 def consolidate(path: str | Path, out: str | Path, optimizer: bool = False) -> Path:
-    """Write one .npz with one array per parameter (and, asked, per optimizer state array).
+    """Write one .npz with one array per parameter and buffer (and, asked, optimizer state).
 
-    Parameter arrays are named as the model names them (``model.state()``); optimizer state
-    ``optimizer/<key>/<parameter>``. The .npz (np.savez's layout: one stored ``.npy`` member per
+    Parameter arrays are named as the model names them (``model.state()``), buffers
+    (BatchNorm's running statistics, which evaluation needs) as the checkpoint names them,
+    optimizer state ``optimizer/<key>/<parameter>``. The .npz (np.savez's layout: one stored ``.npy`` member per
     array) is written one parameter at a time, so it needs memory for the largest one, not the
     model. It is written beside ``out`` and renamed over it once complete, so a consolidation
     that fails leaves ``out`` as it was.
@@ -73,6 +77,9 @@ def consolidate(path: str | Path, out: str | Path, optimizer: bool = False) -> P
                     with archive.open(f"{key}.npy", "w", force_zip64=True) as member:
                         np.lib.format.write_array(member, reader.whole(what, name),
                                                   allow_pickle=False)
+            for name, value in reader.buffers().items():
+                with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
+                    np.lib.format.write_array(member, value, allow_pickle=False)
             archive.close()
             stream.flush()
             os.fsync(stream.fileno())  # else a crash just after the rename can leave out empty
@@ -127,4 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as error:  # CheckpointError is one
         print(error, file=sys.stderr)
         return USAGE_EXIT
+    except BrokenPipeError:  # `info ... | head` stopped reading: not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # exit flushes stdout
+        return 1
     return 0

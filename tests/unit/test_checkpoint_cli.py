@@ -16,12 +16,19 @@ PARAMS = {"0.Linear.weight": (3, 4), "0.Linear.bias": (4,)}  # 16 elements, end 
 @pytest.fixture
 def saved(tmp_path):
     """A checkpoint as 2 ranks at ZeRO level 1 write it: elements [0, 8) and [8, 16)."""
-    tmp = tmp_path / "ck" / f"{checkpoint.TMP_PREFIX}00000008"
+    return write_checkpoint(tmp_path / "ck", {})
+
+
+def write_checkpoint(directory, buffers):
+    """Write the checkpoint of ``saved``, with ``buffers`` as the root rank saves them."""
+    tmp = directory / f"{checkpoint.TMP_PREFIX}00000008"
     flat = {"params": np.arange(16, dtype=np.float32), "exp_avg": -np.arange(16, dtype=np.float32)}
     shards = [[[0, 8]], [[8, 16]]]
     sums = {}
     for rank, [(start, stop)] in enumerate(shards):
         sums.update(checkpoint.save_shard(tmp, rank, {k: [a[start:stop]] for k, a in flat.items()}))
+    if buffers:
+        sums.update(checkpoint.save_buffers(tmp, buffers))
     params, offset = [], 0
     for name, shape in PARAMS.items():
         numel = int(np.prod(shape))
@@ -30,7 +37,9 @@ def saved(tmp_path):
         offset += numel
     manifest = {"format": checkpoint.FORMAT, "step": 8, "epoch": 0, "epoch_step": 8,
                 "world_size": 2, "zero_opt_level": 1, "precision": "fp32", "params": params,
-                "shards": shards, "checksums": sums, "buffers": [], "scaler": None,
+                "shards": shards, "checksums": sums, "scaler": None,
+                "buffers": [{"name": n, "shape": list(b.shape), "dtype": str(b.dtype)}
+                            for n, b in buffers.items()],
                 "optimizer": {"name": "adam", "hyperparameters": {"lr": 0.001}, "step_count": 8,
                               "state": ["exp_avg"]}}
     return checkpoint.commit(tmp, manifest, keep_last=2)
@@ -60,6 +69,39 @@ def test_consolidate_writes_every_parameter(saved, tmp_path, capsys):
         np.testing.assert_array_equal(merged["optimizer/exp_avg/0.Linear.bias"],
                                       -np.arange(12, 16, dtype=np.float32))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "model.npz"]
+
+
+def test_consolidate_and_info_include_batchnorm_statistics(tmp_path, capsys):
+    """Evaluating an exported model needs BatchNorm's running statistics, as PyTorch's
+    state_dict holds them beside the parameters."""
+    stats = {"1.BatchNorm.running_mean": np.array([0.5, -1.0], np.float32),
+             "1.BatchNorm.running_var": np.array([2.0, 3.0], np.float32)}
+    step = write_checkpoint(tmp_path / "ck", stats)
+    out = tmp_path / "model.npz"
+    assert main(["consolidate", str(step), str(out)]) == 0
+    with np.load(out) as merged:
+        assert sorted(merged.files) == sorted([*PARAMS, *stats])
+        for name, value in stats.items():
+            np.testing.assert_array_equal(merged[name], value)
+    assert main(["info", str(step)]) == 0
+    shown = capsys.readouterr().out
+    assert "2 buffers" in shown and "1.BatchNorm.running_var  (2,)  float32" in shown
+
+
+def test_info_into_a_closed_pipe_ends_quietly(saved):
+    """``info ... | head -1``: the reader has gone; one exit code, no BrokenPipeError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # the reader left before the first line: every write fails
+    try:
+        done = subprocess.run([sys.executable, "-m", "meta_dist.checkpoint", "info", str(saved)],
+                              stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert done.returncode == 1 and done.stderr == "", done.stderr
 
 
 def test_a_failed_consolidate_leaves_the_earlier_export_as_it_was(saved, tmp_path, capsys):
