@@ -18,6 +18,7 @@ from meta_dist.errors import UsageError
 
 FORMAT = 1
 MANIFEST, LATEST, STEP_PREFIX, TMP_PREFIX = "manifest.json", "latest", "step-", ".tmp-step-"
+REPLACED_SUFFIX = ".replaced"  # a checkpoint being replaced by a save of the same step
 BUFFERS = "buffers.npz"
 
 
@@ -134,10 +135,14 @@ def commit(tmp: Path, manifest: dict[str, Any], keep_last: int) -> Path:
     manifest = {**manifest, "saved": _next_save_number(tmp.parent)}
     _write_atomically(tmp / MANIFEST, json.dumps(manifest, indent=1))
     final = tmp.parent / step_name(manifest["step"])
+    replaced = final.with_name(final.name + REPLACED_SUFFIX)
     if final.exists():  # saved again at the same step (a resumed run): replace it
-        shutil.rmtree(final)
+        # aside first, still complete to ``resolve``: a crash between the renames loses nothing
+        shutil.rmtree(replaced, ignore_errors=True)
+        final.rename(replaced)
     tmp.rename(final)
     _write_atomically(tmp.parent / LATEST, final.name + "\n")
+    shutil.rmtree(replaced, ignore_errors=True)
     complete = sorted((p for p in tmp.parent.iterdir() if _is_complete(p)), key=_save_number)
     for old in complete[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)

@@ -71,3 +71,30 @@ def test_a_completed_save_removes_cut_off_ones(tmp_path):
     save(tmp_path, 4, keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000004"]
     assert json.loads((tmp_path / "step-00000004" / "manifest.json").read_text())["saved"] == 1
+
+
+def test_replacing_a_step_keeps_the_old_one_until_the_new_one_is_in_place(tmp_path, monkeypatch):
+    """A save of a step that exists (a resumed run) replaces it. The process dying between
+    moving the old one away and moving the new one in must still leave a checkpoint that
+    ``resolve`` finds: the old one (it used to be deleted first)."""
+    save(tmp_path, 8, keep_last=1)
+    tmp = tmp_path / f"{checkpoint.TMP_PREFIX}00000008"
+    tmp.mkdir()
+    real_rename = type(tmp).rename
+
+    def die_moving_the_new_one_in(self, target):
+        if self == tmp:
+            raise SystemExit("killed before the new checkpoint was moved in")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(type(tmp), "rename", die_moving_the_new_one_in)
+    with pytest.raises(SystemExit):
+        checkpoint.commit(tmp, {"step": 8, "marker": "new"}, keep_last=1)
+    monkeypatch.undo()
+    found = checkpoint.resolve(tmp_path)
+    assert json.loads((found / checkpoint.MANIFEST).read_text()).get("marker") is None  # the old
+    tmp.mkdir(exist_ok=True)  # the resumed run saves again, and this time completes
+    final = checkpoint.commit(tmp, {"step": 8, "marker": "new"}, keep_last=1)
+    assert checkpoint.resolve(tmp_path) == final
+    assert json.loads((final / checkpoint.MANIFEST).read_text())["marker"] == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", final.name]
