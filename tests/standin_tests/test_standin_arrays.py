@@ -319,7 +319,7 @@ def test_scatter_add_accumulates_and_refuses_bfloat16(cupy):
     with repeated indices accumulating, as numpy's add.at. CuPy's add.at takes int32, int64,
     float16, float32, float64, uint32 and uint64 only: CuPy 14.2 on an H200 raised TypeError
     "cupy.add.at only supports ... as data type" for bfloat16. Also meta_dist's Embedding, which
-    sums bfloat16 rows in float32 on the GPU and rounds once."""
+    sums 16-bit rows in float32 and rounds once."""
     import cupyx
 
     from meta_dist.nn.embedding import _scatter_add

@@ -468,3 +468,19 @@ def test_16_bit_parameter_gradients_summed_over_rows_add_up_in_float32():
     norm.backward(np.ones((4096, 2), np.float16))
     np.testing.assert_array_equal(norm.grads["bias"], [4096, 4096])
     np.testing.assert_allclose(norm.grads["weight"], [-4096, 4096], rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_16_bit_embedding_gradient_adds_repeated_ids_in_float32(dtype):
+    """Tokens seen 4000 and 1000 times: added one id at a time in float16 a gradient stopped at
+    2048 (bfloat16 at 256), where PyTorch's embedding backward accumulates in float32."""
+    from meta_dist.nn.embedding import Embedding
+
+    dtype = np.dtype(dtype) if dtype == "float16" else pytest.importorskip("ml_dtypes").bfloat16
+    layer = Embedding(3, 2, rng=np.random.default_rng(0), dtype=dtype)
+    ids = np.zeros(5000, np.int64)
+    ids[::5] = 2  # 4000 of id 0 and 1000 of id 2, interleaved: both exact in either dtype
+    layer.forward(ids)
+    layer.backward(np.ones((5000, 2), dtype))
+    np.testing.assert_array_equal(layer.grads["weight"].astype(np.float32),
+                                  [[4000, 4000], [0, 0], [1000, 1000]])
