@@ -181,8 +181,12 @@ def parse_args(argv):
     p.add_argument("--max-iters", type=int, default=400, help="most calls in one block")
     args = p.parse_args(argv)
     args.ops = args.ops.split(",")
-    if not set(args.ops) <= set(OPS) or args.factor < 2:
-        p.error(f"--ops must name some of {', '.join(OPS)}; --factor must be >= 2")
+    unknown = [op for op in args.ops if op not in OPS]
+    if unknown:
+        p.error(f"--ops: unknown {', '.join(map(repr, unknown))}; expected some of "
+                f"{', '.join(OPS)}, comma-separated")
+    if args.factor < 2:
+        p.error(f"--factor: got {args.factor}; expected a number >= 2")
     return args
 
 

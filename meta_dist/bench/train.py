@@ -156,7 +156,13 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.plot and check_plotting():
         p.error(check_plotting())
-    args.levels = [int(level) for level in args.levels.split(",") if level]
+    try:
+        args.levels = [int(level) for level in args.levels.split(",") if level]
+    except ValueError:
+        args.levels = None
+    if args.levels is None or not set(args.levels) <= {0, 1, 2, 3}:
+        p.error("--levels: expected ZeRO levels among 0, 1, 2, 3, comma-separated (e.g. 0,2), "
+                "or '' with --torch")
     try:
         args.gpt = tuple(int(n) for n in args.gpt.split(","))
         if len(args.gpt) != 4:

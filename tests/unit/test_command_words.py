@@ -1,8 +1,11 @@
 """``python -m meta_dist`` commands given words they cannot use: one line and exit 2, no MPI."""
 
+import importlib
 import json
 import subprocess
 import sys
+
+import pytest
 
 from meta_dist import trace
 
@@ -27,3 +30,20 @@ def test_trace_merge_names_a_file_that_is_cut_off(tmp_path, capsys):
     said = capsys.readouterr().err
     assert "trace-rank00001.json is not a whole trace" in said and "leave it out" in said
     assert not (tmp_path / "all.json").exists()
+
+
+@pytest.mark.parametrize("module, argv, says", [
+    ("collectives", ["--ops", "allreduce,allreduc"], "--ops: unknown 'allreduc'; expected some of"),
+    ("collectives", ["--factor", "1"], "--factor: got 1; expected a number >= 2"),
+    ("train", ["--levels", "0,5"], "--levels: expected ZeRO levels among 0, 1, 2, 3"),
+    ("train", ["--levels", "two"], "--levels: expected ZeRO levels among 0, 1, 2, 3"),
+])
+def test_a_benchmark_names_the_option_it_cannot_use(module, argv, says, capsys):
+    """--ops allreduc also blamed --factor; --levels 5 was blamed on a config 'script dict'
+    after MPI had started, and --levels two was a ValueError traceback."""
+    parse_args = importlib.import_module(f"meta_dist.bench.{module}").parse_args
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and says in err, err
+    assert "--factor must" not in err
