@@ -104,8 +104,8 @@ class StepGuard:
             self.comm.allreduce(flags, "sum", out=flags)
         if not self.waits_before_update:
             return True, scale
-        if self._bad():
-            return False, scale
+        if self._bad() and (self.mode != "ignore" or self.scaler is not None):
+            return False, scale  # mode ignore updates anyway, as without a check (not fp16)
         if self.clip is not None and self.norm > self.clip:
             scale *= self.clip / (self.norm + 1e-6)
         return True, scale

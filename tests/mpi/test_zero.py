@@ -538,13 +538,16 @@ def test_ranks_with_different_configs_refuse_to_train(contexts):
 
 
 @pytest.mark.parametrize("level", [0, 2])
-@pytest.mark.parametrize("mode", ["stop", "skip", "ignore"])
+@pytest.mark.parametrize("mode", ["stop", "skip", "ignore", "ignore with clipping"])
 def test_a_nan_in_one_ranks_input(contexts, level, mode):
     """A NaN in one input row of the last rank: 'stop' raises on every rank naming the step and
-    the rank; 'skip' leaves that step's update out on every rank and counts it."""
+    the rank; 'skip' leaves that step's update out on every rank and counts it; 'ignore'
+    updates with it, as without a check (with clipping too: it skipped that step silently)."""
     world, _ = contexts
+    clip = {"clip_grad_norm": 1.0} if mode == "ignore with clipping" else {}
+    mode = mode.split()[0]
     config = load_config({"optimizer": "sgd", "lr": 0.1, "batch_size": GLOBAL_BATCH,
-                          "n_epoch": 1, "n_mini_batch": STEPS, "dtype": "float32"},
+                          "n_epoch": 1, "n_mini_batch": STEPS, "dtype": "float32", **clip},
                          {"zero_opt_level": level, "nonfinite": mode, "backend": "mpi",
                           "device": "cpu"})
     x, y, _ = data("classifier", "float32")
