@@ -94,6 +94,12 @@ def leave_together(code: int) -> None:
     _together[0] = code
 
 
+def leaving_cleanly() -> bool:
+    """Return whether this process is ending with exit code 0 (at exit: no sys.exit(n != 0),
+    and not every rank leaving together with a code)."""
+    return _exit_status[0] in (None, 0) and not _together[0]
+
+
 def _rank() -> str:
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():

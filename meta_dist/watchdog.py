@@ -17,7 +17,10 @@ report and ends the job (MPI_Abort)::
             File "train.py", line 40, in <module>
 
 A rank whose watchdog does not answer within ANSWER_S is "not responding": its process is
-gone or stopped, or it is stuck in native code that holds Python's GIL.
+gone or stopped, or it is stuck in native code that holds Python's GIL. A rank whose program
+ends cleanly with the communicator still open tells the others how many collectives it entered
+(EXITED): a peer waiting in a later one ends the job at once, naming it, instead of after the
+timeout (the classic cause: one rank's loop ran out of batches first).
 
 The timeout: ``stall_timeout`` seconds (``meta_dist_config.stall_timeout``, default 300), and
 the environment variable META_DIST_STALL_TIMEOUT overrides it for any program (0: no watchdog).
@@ -48,7 +51,7 @@ STALL_TIMEOUT_ENV = "META_DIST_STALL_TIMEOUT"
 POLL_S = 0.25  # how often the thread looks (and answers its peers)
 ANSWER_S = 2.0  # how long the reporting rank waits for the others' answers
 HANDOVER_S = 5.0  # a waiting rank that asked a lower one to report reports itself after this
-QUERY, STATE, REPORT, REPORTING = 11, 12, 13, 14  # tags on the side channel
+QUERY, STATE, REPORT, REPORTING, EXITED = 11, 12, 13, 14, 15  # tags on the side channel
 STACK_FRAMES = 4  # innermost frames of a not-arrived rank's main thread shown in the report
 
 _thread_id, _now = threading.get_ident, time.monotonic  # on the common path: no lookups
@@ -126,6 +129,7 @@ class StallWatchdog:
         self._handover: tuple | None = None  # ((api, seq), when) handed to a lower rank
         self._reporter_seen: float | None = None  # when a peer said it ends the job
         self._side_failed: str | None = None  # why the side channel is no longer used
+        self.exited: dict[int, int] = {}  # rank whose program ended -> collectives it entered
         self._thread = threading.Thread(target=self._watch, name="meta_dist-watchdog",
                                         daemon=True)
         self._thread.start()
@@ -185,13 +189,30 @@ class StallWatchdog:
             if stalled is None:
                 continue
             waited = time.monotonic() - stalled[2]
-            overdue = self.timeout is not None and waited > self.timeout
+            overdue = (self.timeout is not None and waited > self.timeout) or (
+                stalled[1] is not None and self._gone_before(stalled[1]))
             if self._asked is not None or (overdue and self._handover is None):
                 self._report(stalled)
             elif overdue and time.monotonic() - self._handover[1] > HANDOVER_S:
                 self._report(stalled, alone=True)  # the rank it was handed to did not end it
             del stalled  # it holds the call's arrays: keeping them to the next poll would
             # hold a freed temporary for 0.25 s (tests/test_memory.py saw the peaks it added)
+
+    def _gone_before(self, seq: int) -> list[int]:
+        """Return the ranks whose program ended before entering collective ``seq``."""
+        return [r for r, entered in self.exited.items() if entered < seq]
+
+    def announce_exit(self) -> None:
+        """Tell every peer that this rank's program is ending, and how many collectives it
+        entered. At exit, with the thread stopped, before MPI finalizes."""
+        if self._side is None or self._side_failed or self.size == 1:
+            return
+        self._tell_peers(self.seq, EXITED)
+        deadline = time.monotonic() + ANSWER_S  # small messages: sent at once in practice
+        with contextlib.suppress(Exception):
+            while self._sends and time.monotonic() < deadline:
+                self._sends = [r for r in self._sends if not r.Test()]
+                time.sleep(0.005)
 
     def _stalled(self) -> tuple | None:
         """Return the oldest unfinished operation of this rank (a probe's too), or None."""
@@ -221,6 +242,8 @@ class StallWatchdog:
                     self._asked = tuple(message)
                 elif tag == REPORTING:
                     self._reporter_seen = time.monotonic()
+                elif tag == EXITED:
+                    self.exited[source] = message
         except Exception as error:
             self._side_failed = f"{type(error).__name__}: {error}"
 
@@ -247,7 +270,8 @@ class StallWatchdog:
         self._answers.clear()
         self._tell_peers(None, QUERY)
         deadline = time.monotonic() + ANSWER_S
-        while (len(self._answers) < self.size - 1 and time.monotonic() < deadline
+        expected = self.size - 1 - len(self.exited)  # a rank whose program ended answers none
+        while (len(self._answers) < expected and time.monotonic() < deadline
                and not self._side_failed):
             time.sleep(0.02)
             self._pump()
@@ -289,9 +313,15 @@ class StallWatchdog:
         what = " ".join(filter(None, [api, f"#{seq}" if seq is not None else "",
                                       f"({describe(arrays)})" if describe(arrays) else ""]))
         limit = f"{self.timeout:.0f} s" if self.timeout else "no limit"
-        lines = [f"[rank {self.rank}] {what}: waited {limit} for the other ranks to reach this "
-                 f"collective ({waiting[self.rank]:.1f} s so far; stall_timeout {limit}, set by "
-                 f"meta_dist_config.stall_timeout or {STALL_TIMEOUT_ENV})"]
+        gone = self._gone_before(seq) if seq is not None else []
+        if gone:
+            lines = [f"[rank {self.rank}] {what}: rank{'s' if len(gone) > 1 else ''} "
+                     f"{', '.join(map(str, gone))} ended {'their' if len(gone) > 1 else 'its'} "
+                     f"program without reaching it ({waiting[self.rank]:.1f} s waited)"]
+        else:
+            lines = [f"[rank {self.rank}] {what}: waited {limit} for the other ranks to reach "
+                     f"this collective ({waiting[self.rank]:.1f} s so far; stall_timeout {limit}, "
+                     f"set by meta_dist_config.stall_timeout or {STALL_TIMEOUT_ENV})"]
         others = [r for r in range(self.size) if r != self.rank]
         if others and (self._side is None or self._side_failed):
             why = (f"the side channel failed: {self._side_failed}" if self._side_failed else
@@ -312,7 +342,7 @@ class StallWatchdog:
             if absent:
                 lines.append(f"  not arrived: rank{'s' if len(absent) > 1 else ''} "
                              + ", ".join(map(str, absent)))
-                lines += [_doing(r, answers.get(r)) for r in absent]
+                lines += [_doing(r, answers.get(r), self.exited.get(r)) for r in absent]
             if elsewhere:
                 lines.append(f"  in another collective: rank{'s' if len(elsewhere) > 1 else ''} "
                              + ", ".join(map(str, elsewhere)) + " (the ranks' calls differ; "
@@ -336,8 +366,13 @@ class StallWatchdog:
         failfast.end_job(1, grace=False)
 
 
-def _doing(rank: int, state: dict | None) -> str:
-    """Say what a rank that did not arrive was doing, from its answer (None: no answer)."""
+def _doing(rank: int, state: dict | None, exited: int | None = None) -> str:
+    """Say what a rank that did not arrive was doing, from its answer (None: no answer), or
+    that its program ended after entering ``exited`` collectives."""
+    if exited is not None and state is None:
+        return (f"    rank {rank}: its program ended (exit code 0) after collective #{exited}, "
+                "with this communicator open: every rank must make the same collective calls "
+                "(an uneven last batch, a rank-dependent loop or early return)")
     if state is None:
         return (f"    rank {rank}: not responding (no answer in {ANSWER_S:.0f} s: its process "
                 "is gone or stopped, or stuck in native code that holds Python's GIL)")
@@ -354,7 +389,11 @@ def _doing(rank: int, state: dict | None) -> str:
 
 
 def _stop_running() -> None:
-    """Stop every watchdog thread that uses MPI (at exit, before MPI finalizes)."""
+    """Stop every watchdog thread that uses MPI (at exit, before MPI finalizes); on a clean
+    exit tell the peers (``announce_exit``)."""
+    clean = failfast.leaving_cleanly()
     for watchdog in list(_running):
         with contextlib.suppress(Exception):
             watchdog.stop(free=False)
+            if clean:
+                watchdog.announce_exit()

@@ -280,6 +280,20 @@ def test_ranks_in_different_collectives_are_named():
     assert "not arrived" not in result.output and "unreachable" not in result.output
 
 
+def test_a_rank_whose_program_ends_is_named_at_once():
+    """Rank 2's program ends (exit code 0) after collective #1 while ranks 0 and 1 enter
+    allreduce #2: the job ends within seconds naming rank 2, not after the stall timeout (300 s
+    here), and no rank says 'not responding' of it."""
+    env = mpi_env(META_DIST_STALL_TIMEOUT="300")
+    result = run(3, ["tests/scripts/hang.py", "exits"], timeout=120, env=env)
+    assert not result.timed_out and result.returncode != 0, str(result)
+    said = (r"\[rank 0\] allreduce #2 \(numpy float64 \(4,\)\): rank 2 ended its program without "
+            r"reaching it (.*\n)*  not arrived: rank 2\n    rank 2: its program ended \(exit code "
+            r"0\) after collective #1")
+    assert re.search(said, result.output), str(result)
+    assert "not responding" not in result.output and "unreachable" not in result.output
+
+
 def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     """Only rank 2 gets SIGTERM, during step 3: every rank stops after step 3 (they agree in
     the step's verdict exchange), the checkpoint of step 3 is written, one line says so, and

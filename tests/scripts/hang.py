@@ -8,8 +8,9 @@ Python (alive: its watchdog answers) while the others wait in an allreduce of a 
 ZeRO-2 with overlap, it loops in its loss function at step 3 while the others wait in a bucket's
 reduce-scatter on the communication thread; the timeout comes from meta_dist_config.stall_timeout
 (5 s) there. ``elsewhere`` (run with META_DIST_CHECK=0, so no call is compared before it runs):
-it calls barrier while the others allreduce, both collective #2. Prints ``unreachable`` where a
-rank outlives the stall.
+it calls barrier while the others allreduce, both collective #2. ``exits``: its program ends
+(exit code 0) while the others go on to allreduce #2. Prints ``unreachable`` where a rank
+outlives the stall.
 """
 
 import os
@@ -49,6 +50,13 @@ if MODE in ("loop", "gone"):
         time.sleep(120)  # resumed: mpirun sends SIGCONT before it kills a stopped process
     else:
         comm.allreduce([np.ones(5, np.float32), np.ones((2, 3), np.float32)])
+elif MODE == "exits":
+    comm = context.communicator("mpi")
+    comm.allreduce(np.ones(4))
+    hang_begins()
+    if last:
+        sys.exit(0)  # as a script's end: its watchdog tells the others it has gone
+    comm.allreduce(np.ones(4))
 elif MODE == "elsewhere":
     comm = context.communicator("mpi")
     comm.allreduce(np.ones(4))
