@@ -22,6 +22,7 @@ report of a mistake is installed (``install_for_one_process``).
 from __future__ import annotations
 
 import atexit
+import builtins
 import contextlib
 import os
 import socket
@@ -74,7 +75,22 @@ def install() -> None:
 
     recording_exit.__doc__ = real_exit.__doc__
     sys.exit = recording_exit
+    for name in ("exit", "quit"):  # the site module's exit(n) and quit(n) raise SystemExit too
+        builtin = getattr(builtins, name, None)
+        if builtin is not None:
+            setattr(builtins, name, _recording(builtin))
     atexit.register(_end_job_if_leaving_early)
+
+
+def _recording(builtin: Any) -> Any:
+    """Wrap the builtin ``exit`` or ``quit`` so that the code it exits with is recorded."""
+
+    def recording(code: Any = None) -> None:
+        _exit_status[0] = code
+        builtin(code)
+
+    recording.__doc__ = getattr(builtin, "__doc__", None)
+    return recording
 
 
 def track(connector: Any) -> None:
@@ -95,8 +111,9 @@ def leave_together(code: int) -> None:
 
 
 def leaving_cleanly() -> bool:
-    """Return whether this process is ending with exit code 0 (at exit: no sys.exit(n != 0),
-    and not every rank leaving together with a code)."""
+    """Return whether this process is ending without an error (at exit: no sys.exit, exit or
+    quit with a code, and not every rank leaving together with one; a bare
+    ``raise SystemExit(n)`` is not seen)."""
     return _exit_status[0] in (None, 0) and not _together[0]
 
 

@@ -226,7 +226,7 @@ class StallWatchdog:
         A failure of the side channel itself stops its use; the report then says so.
         """
         side = self._side
-        if side is None or self._side_failed:
+        if side is None or self._side_failed or MPI.Is_finalized():  # the program finalized it
             return
         try:
             self._sends = [r for r in self._sends if not r.Test()]
@@ -370,7 +370,7 @@ def _doing(rank: int, state: dict | None, exited: int | None = None) -> str:
     """Say what a rank that did not arrive was doing, from its answer (None: no answer), or
     that its program ended after entering ``exited`` collectives."""
     if exited is not None and state is None:
-        return (f"    rank {rank}: its program ended (exit code 0) after collective #{exited}, "
+        return (f"    rank {rank}: its program ended (no error) after collective #{exited}, "
                 "with this communicator open: every rank must make the same collective calls "
                 "(an uneven last batch, a rank-dependent loop or early return)")
     if state is None:
@@ -391,7 +391,7 @@ def _doing(rank: int, state: dict | None, exited: int | None = None) -> str:
 def _stop_running() -> None:
     """Stop every watchdog thread that uses MPI (at exit, before MPI finalizes); on a clean
     exit tell the peers (``announce_exit``)."""
-    clean = failfast.leaving_cleanly()
+    clean = failfast.leaving_cleanly() and not MPI.Is_finalized()  # else MPI is not usable
     for watchdog in list(_running):
         with contextlib.suppress(Exception):
             watchdog.stop(free=False)

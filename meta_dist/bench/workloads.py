@@ -7,6 +7,7 @@ so every variant starts from the same weights; the twins import torch only when 
 
 import numpy as np
 
+from meta_dist.errors import UsageError
 from meta_dist.models import gpt
 from meta_dist.nn.layers import Linear, ReLU
 from meta_dist.nn.losses import cross_entropy_tokens, softmax_cross_entropy
@@ -83,8 +84,9 @@ class GPTWorkload:
         x, y = windows(ids, self.block_size)
         need = BATCHES * self.global_batch
         if len(x) < need:
-            raise SystemExit(f"bench train: the corpus has {len(x)} windows of "
-                             f"{self.block_size}; --batch {self.global_batch} needs {need}")
+            raise UsageError(f"bench train: the corpus has {len(x)} windows of "
+                             f"{self.block_size}; --batch {self.global_batch} needs {need}; "
+                             "use a smaller --batch or --gpt block size")
         self.x, self.y = np.ascontiguousarray(x[:need]), np.ascontiguousarray(y[:need])
         self.config = {}
         self.loss_fn, self.per_step = cross_entropy_tokens, self.global_batch * self.block_size

@@ -3,7 +3,8 @@
     mpirun -np N python tests/scripts/exit_early.py WHEN HOW
 
 WHEN is ``before`` (before meta_dist starts MPI) or ``after`` (once the context is up); HOW is
-``raise`` (an uncaught exception), ``exit`` (sys.exit(3)) or ``wrapped`` (raise under an
+``raise`` (an uncaught exception), ``exit`` (sys.exit(3)), ``builtin`` (the site module's
+exit(3), which does not go through sys.exit) or ``wrapped`` (raise under an
 exception hook that captures stderr around ours, as torch.distributed's does). Rank 1 leaves;
 the others go on to an allreduce that rank 1 never joins.
 """
@@ -39,6 +40,8 @@ def leave():
         sys.excepthook = capture_around(sys.excepthook)
     if HOW in ("raise", "wrapped"):
         raise RuntimeError(f"deliberate failure on rank 1 {WHEN} init")
+    if HOW == "builtin":
+        exit(3)  # noqa: PLR1722 (the builtin on purpose: users call it)
     sys.exit(3)
 
 
