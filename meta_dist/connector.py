@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,9 @@ class MPIConnector:
         self._size = self._comm.Get_size()
         self._local_rank = self._node_comm.Get_rank()
         self._local_size = self._node_comm.Get_size()
+        # the stall watchdogs of this connector's open communicators (``meta_dist.watchdog``):
+        # the newest also watches the connector's own collectives
+        self.watchdogs: list[Any] = []
         if comm is None:
             _check_launcher(self._size)
             blas_threads.share_cores(self._local_size)  # ranks on one node share its cores
@@ -103,7 +107,7 @@ class MPIConnector:
 
     def barrier(self) -> None:
         """Wait until every rank has called barrier. Collective."""
-        self._live_comm("barrier").Barrier()
+        self._watched("barrier", lambda comm: comm.Barrier())
 
     def broadcast(self, obj: Any = None, root: int = ROOT_RANK) -> Any:
         """Return ``obj`` from rank ``root`` on every rank (pickled; for small control objects).
@@ -111,11 +115,11 @@ class MPIConnector:
         Collective: every rank must call this, in the same order.
         """
         self._check_root("broadcast", root)
-        return self._live_comm("broadcast").bcast(obj, root=root)
+        return self._watched("broadcast", lambda comm: comm.bcast(obj, root=root))
 
     def allgather(self, obj: Any) -> list[Any]:
         """Return the list of every rank's ``obj``, indexed by rank (pickled). Collective."""
-        return self._live_comm("allgather").allgather(obj)
+        return self._watched("allgather", lambda comm: comm.allgather(obj))
 
     def abort(self, code: int = 1) -> None:
         """Terminate every rank of the job now with exit status ``code`` (MPI_Abort)."""
@@ -127,6 +131,18 @@ class MPIConnector:
             self._node_comm.Free()
             self._comm.Free()
             self._comm = self._node_comm = None
+
+    def _watched(self, api: str, call: Callable[[MPI.Comm], Any]) -> Any:
+        """Return ``call(comm)``, watched for stalls like a communicator's collectives."""
+        comm = self._live_comm(api)
+        watchdog = self.watchdogs[-1] if self.watchdogs else None
+        if watchdog is None:
+            return call(comm)
+        watchdog.enter(f"MPIConnector.{api}", collective=False, needs="all")  # watchdog.ALL
+        try:
+            return call(comm)
+        finally:
+            watchdog.leave()
 
     def _live_comm(self, api: str) -> MPI.Comm:
         if self._comm is None:

@@ -44,7 +44,7 @@ from typing import Any
 import meta_dist.failfast as failfast
 from meta_dist.errors import UsageError
 from meta_dist.lazy_mpi import MPI
-from meta_dist.xp import is_cupy_array
+from meta_dist.stall_report import describe, report
 
 DEFAULT_STALL_TIMEOUT_S = 300.0
 STALL_TIMEOUT_ENV = "META_DIST_STALL_TIMEOUT"
@@ -52,6 +52,8 @@ POLL_S = 0.25  # how often the thread looks (and answers its peers)
 ANSWER_S = 2.0  # how long the reporting rank waits for the others' answers
 HANDOVER_S = 5.0  # a waiting rank that asked a lower one to report reports itself after this
 QUERY, STATE, REPORT, REPORTING, EXITED = 11, 12, 13, 14, 15  # tags on the side channel
+EXIT_GRACE_S = 2.0  # an unnumbered wait on a rank that ended is hopeless this much later
+ALL = "all"  # what an unnumbered collective (the connector's) needs: every rank
 STACK_FRAMES = 4  # innermost frames of a not-arrived rank's main thread shown in the report
 
 _thread_id, _now = threading.get_ident, time.monotonic  # on the common path: no lookups
@@ -81,18 +83,6 @@ def resolve_stall_timeout(configured: float | None = DEFAULT_STALL_TIMEOUT_S) ->
     return configured or None
 
 
-def describe(arrays: Any) -> str:
-    """Say what a call moves: "numpy float32 (1024,)" or "12 numpy float32 arrays, 3.1 MiB"."""
-    items = list(arrays) if isinstance(arrays, (list, tuple)) else [arrays]
-    if arrays is None or not items or not hasattr(items[0], "dtype"):
-        return ""
-    kind = "cupy" if is_cupy_array(items[0]) else "numpy"
-    if len(items) == 1:
-        return f"{kind} {items[0].dtype} {tuple(items[0].shape)}"
-    size = sum(int(a.nbytes) for a in items) / 2**20
-    return f"{len(items)} {kind} {items[0].dtype} arrays, {size:.1f} MiB"
-
-
 class StallWatchdog:
     """End the job when a collective has waited longer than ``timeout`` seconds.
 
@@ -118,7 +108,8 @@ class StallWatchdog:
         self.rank, self.size, self.timeout, self._side = rank, size, timeout, side_channel
         self.seq = 0  # collectives entered on this communicator
         self.last: tuple | None = None  # (api, seq, start) of the last collective returned
-        # thread -> (api, seq (None: point to point), start, arrays)
+        # thread -> (api, seq (None: not a numbered collective), start, arrays, needs: the
+        # ranks it waits for when not numbered, ALL or a peer; None: unknown)
         self._waiting: dict[int, tuple] = {}
         self.probes: list[Callable[[], tuple | None]] = []
         self.before_abort: list[Callable[[], None]] = []
@@ -129,7 +120,8 @@ class StallWatchdog:
         self._handover: tuple | None = None  # ((api, seq), when) handed to a lower rank
         self._reporter_seen: float | None = None  # when a peer said it ends the job
         self._side_failed: str | None = None  # why the side channel is no longer used
-        self.exited: dict[int, int] = {}  # rank whose program ended -> collectives it entered
+        # rank whose program ended -> (collectives it entered, when this rank heard it)
+        self.exited: dict[int, tuple[int, float]] = {}
         self._thread = threading.Thread(target=self._watch, name="meta_dist-watchdog",
                                         daemon=True)
         self._thread.start()
@@ -143,12 +135,14 @@ class StallWatchdog:
         """Change the stall timeout (None or 0: watch without ending the job)."""
         self.timeout = timeout or None
 
-    def enter(self, api: str, arrays: Any = None, collective: bool = True) -> None:
-        """Mark that this thread is now inside ``api`` (a collective unless ``collective`` off)."""
+    def enter(self, api: str, arrays: Any = None, collective: bool = True,
+              needs: Any = None) -> None:
+        """Mark that this thread is now inside ``api``: a numbered collective, or (``collective``
+        off) an operation that ``needs`` rank ``needs`` (a peer) or ``ALL`` ranks."""
         seq = None
         if collective:
             seq = self.seq = self.seq + 1
-        self._waiting[_thread_id()] = (api, seq, _now(), arrays)
+        self._waiting[_thread_id()] = (api, seq, _now(), arrays, needs)
 
     def leave(self) -> None:
         """Mark that this thread's operation has returned."""
@@ -189,8 +183,8 @@ class StallWatchdog:
             if stalled is None:
                 continue
             waited = time.monotonic() - stalled[2]
-            overdue = (self.timeout is not None and waited > self.timeout) or (
-                stalled[1] is not None and self._gone_before(stalled[1]))
+            overdue = (self.timeout is not None and waited > self.timeout) or bool(
+                self._gone(stalled))
             if self._asked is not None or (overdue and self._handover is None):
                 self._report(stalled)
             elif overdue and time.monotonic() - self._handover[1] > HANDOVER_S:
@@ -198,9 +192,19 @@ class StallWatchdog:
             del stalled  # it holds the call's arrays: keeping them to the next poll would
             # hold a freed temporary for 0.25 s (tests/test_memory.py saw the peaks it added)
 
-    def _gone_before(self, seq: int) -> list[int]:
-        """Return the ranks whose program ended before entering collective ``seq``."""
-        return [r for r, entered in self.exited.items() if entered < seq]
+    def _gone(self, stalled: tuple) -> list[int]:
+        """Return the ranks whose program ended without reaching the ``stalled`` operation.
+
+        A numbered collective: those that entered fewer. Otherwise those it needs, once this
+        rank has kept waiting EXIT_GRACE_S after hearing of their exit (they may have done
+        their part just before it).
+        """
+        seq, needs = stalled[1], stalled[4] if len(stalled) > 4 else None
+        if seq is not None:
+            return [r for r, (entered, _) in self.exited.items() if entered < seq]
+        late = _now() - EXIT_GRACE_S
+        return [r for r, (_, heard) in self.exited.items()
+                if heard < late and stalled[2] < late and needs in (ALL, r)]
 
     def announce_exit(self) -> None:
         """Tell every peer that this rank's program is ending, and how many collectives it
@@ -243,7 +247,7 @@ class StallWatchdog:
                 elif tag == REPORTING:
                     self._reporter_seen = time.monotonic()
                 elif tag == EXITED:
-                    self.exited[source] = message
+                    self.exited[source] = (message, time.monotonic())
         except Exception as error:
             self._side_failed = f"{type(error).__name__}: {error}"
 
@@ -251,11 +255,11 @@ class StallWatchdog:
         """What this rank is doing: what a peer's report says of it."""
         now = time.monotonic()
         current = [(api, seq, now - start, describe(arrays))
-                   for api, seq, start, arrays in list(self._waiting.values())]
+                   for api, seq, start, arrays, _ in list(self._waiting.values())]
         with contextlib.suppress(Exception):  # a probe that raises is the thread's to report
             current += [(api, seq, now - start, describe(arrays))
                         for probe in self.probes if (found := probe()) is not None
-                        for api, seq, start, arrays in [found]]
+                        for api, seq, start, arrays in [found[:4]]]
         last = self.last
         frame = sys._current_frames().get(threading.main_thread().ident)
         at = traceback.format_stack(frame)[-STACK_FRAMES:] if frame is not None else []
@@ -290,13 +294,14 @@ class StallWatchdog:
         reports whatever it sees; otherwise the lowest waiting rank does, and a rank that
         heard another say it reports holds off.
         """
-        api, seq, start, _ = stalled
+        api, seq, start = stalled[:3]
+        together = seq is not None or stalled[4:5] == (ALL,)  # every rank is in the same call
         answers = self._ask_everyone()
         now = time.monotonic()
         waiting = {self.rank: now - start}
         for rank, state in answers.items():
             for other, other_seq, waited, _ in state["current"]:
-                if seq is not None and other_seq == seq and other == api:
+                if together and other_seq == seq and other == api:
                     waiting[rank] = max(waited, waiting.get(rank, 0.0))
         lowest = min(waiting)
         someone = self._reporter_seen is not None and now - self._reporter_seen < HANDOVER_S
@@ -306,54 +311,16 @@ class StallWatchdog:
             self._handover = (stalled[:2], now)
             return
         self._tell_peers(None, REPORTING)  # peers hold off while this rank ends the job
-        self._abort(self._text(stalled, waiting, answers) + "Stacks of this rank:\n")
-
-    def _text(self, stalled: tuple, waiting: dict[int, float], answers: dict[int, dict]) -> str:
-        api, seq, _, arrays = stalled
-        what = " ".join(filter(None, [api, f"#{seq}" if seq is not None else "",
-                                      f"({describe(arrays)})" if describe(arrays) else ""]))
-        limit = f"{self.timeout:.0f} s" if self.timeout else "no limit"
-        gone = self._gone_before(seq) if seq is not None else []
-        if gone:
-            lines = [f"[rank {self.rank}] {what}: rank{'s' if len(gone) > 1 else ''} "
-                     f"{', '.join(map(str, gone))} ended {'their' if len(gone) > 1 else 'its'} "
-                     f"program without reaching it ({waiting[self.rank]:.1f} s waited)"]
-        else:
-            lines = [f"[rank {self.rank}] {what}: waited {limit} for the other ranks to reach "
-                     f"this collective ({waiting[self.rank]:.1f} s so far; stall_timeout {limit}, "
-                     f"set by meta_dist_config.stall_timeout or {STALL_TIMEOUT_ENV})"]
-        others = [r for r in range(self.size) if r != self.rank]
-        if others and (self._side is None or self._side_failed):
-            why = (f"the side channel failed: {self._side_failed}" if self._side_failed else
-                   "no side channel: before the communicator exists, or MPI's thread level "
-                   "is below 'multiple'")
-            lines.append(f"  the other ranks' states are unknown here ({why})")
-        elif others and seq is None:  # point to point: only the peer matters; say what all do
-            lines.append("  the other ranks:")
-            lines += [_doing(r, answers.get(r)) for r in others]
-        elif others:
-            lines.append("  waiting in it: " + ", ".join(
-                f"rank {r} for {s:.1f} s" for r, s in sorted(waiting.items())))
-            absent = [r for r in others if r not in answers or answers[r]["seq"] < seq]
-            # in a collective of the same number but another name: the ranks' calls differ
-            elsewhere = [r for r in others if r in answers and any(
-                other_seq == seq and other != api for other, other_seq, _, _ in
-                answers[r]["current"])]
-            if absent:
-                lines.append(f"  not arrived: rank{'s' if len(absent) > 1 else ''} "
-                             + ", ".join(map(str, absent)))
-                lines += [_doing(r, answers.get(r), self.exited.get(r)) for r in absent]
-            if elsewhere:
-                lines.append(f"  in another collective: rank{'s' if len(elsewhere) > 1 else ''} "
-                             + ", ".join(map(str, elsewhere)) + " (the ranks' calls differ; "
-                             "META_DIST_CHECK=1 compares them before they run)")
-                lines += [_doing(r, answers.get(r)) for r in elsewhere]
-            if not absent and not elsewhere:
-                lines.append("  not arrived: none (every rank reached it: the MPI or NCCL call "
-                             "itself is stuck, e.g. on the network)")
-        lines.append("  some rank took another path (different control flow, an uneven last "
-                     "batch) or is stuck; aborting the job.")
-        return "\n".join(lines) + "\n"
+        unknown = None
+        if self._side is None or self._side_failed:
+            unknown = (f"the side channel failed: {self._side_failed}" if self._side_failed
+                       else "no side channel: before the communicator exists, or MPI's thread "
+                       "level is below 'multiple'")
+        text = report(self.rank, self.size, stalled, waiting, answers, unknown=unknown,
+                      limit=f"{self.timeout:.0f} s" if self.timeout else "no limit",
+                      gone=self._gone(stalled), answer_s=ANSWER_S,
+                      exited={r: entered for r, (entered, _) in self.exited.items()})
+        self._abort(text + "Stacks of this rank:\n")
 
     def _abort(self, message: str) -> None:
         sys.stderr.write(message)
@@ -364,28 +331,6 @@ class StallWatchdog:
             with contextlib.suppress(Exception):  # ending the job matters more
                 hook()
         failfast.end_job(1, grace=False)
-
-
-def _doing(rank: int, state: dict | None, exited: int | None = None) -> str:
-    """Say what a rank that did not arrive was doing, from its answer (None: no answer), or
-    that its program ended after entering ``exited`` collectives."""
-    if exited is not None and state is None:
-        return (f"    rank {rank}: its program ended (no error) after collective #{exited}, "
-                "with this communicator open: every rank must make the same collective calls "
-                "(an uneven last batch, a rank-dependent loop or early return)")
-    if state is None:
-        return (f"    rank {rank}: not responding (no answer in {ANSWER_S:.0f} s: its process "
-                "is gone or stopped, or stuck in native code that holds Python's GIL)")
-    last = state["last"]
-    done = (f"last completed {last[0]} #{last[1]} (entered {last[2]:.1f} s ago)" if last
-            else "completed no collective yet")
-    now = "; ".join(f"in {api}{f' #{seq}' if seq is not None else ''}"
-                    f"{f' ({arrays})' if arrays else ''} for {waited:.1f} s"
-                    for api, seq, waited, arrays in state["current"]) or "in no collective"
-    at = "".join("\n" + "\n".join("        " + part for part in line.splitlines())
-                 for line in state["at"])
-    return (f"    rank {rank} (host {state['host']}, pid {state['pid']}): {done}; now {now}"
-            + (f", at:{at}" if at else ""))
 
 
 def _stop_running() -> None:

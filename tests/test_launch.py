@@ -281,18 +281,36 @@ def test_ranks_in_different_collectives_are_named():
     assert "not arrived" not in result.output and "unreachable" not in result.output
 
 
-def test_a_rank_whose_program_ends_is_named_at_once():
-    """Rank 2's program ends (exit code 0) after collective #1 while ranks 0 and 1 enter
-    allreduce #2: the job ends within seconds naming rank 2, not after the stall timeout (300 s
-    here), and no rank says 'not responding' of it."""
+@pytest.mark.parametrize("where, waits", [
+    ("allreduce", r"allreduce #2 \(numpy float64 \(4,\)\)"),
+    ("connector", r"MPIConnector\.barrier"),  # as in a checkpoint's save: it hung for ever
+    ("recv", r"recv from rank 2 \(numpy float64 \(4,\)\)")])
+def test_a_rank_whose_program_ends_is_named_at_once(where, waits):
+    """Rank 2's program ends (no error) after collective #1 while ranks 0 and 1 wait for it in
+    allreduce #2, in the connector's barrier, or rank 0 in a recv from it: the job ends within
+    seconds naming rank 2, not after the stall timeout (300 s here), and no rank says 'not
+    responding' of it."""
     env = mpi_env(META_DIST_STALL_TIMEOUT="300")
-    result = run(3, ["tests/scripts/hang.py", "exits"], timeout=120, env=env)
+    result = run(3, ["tests/scripts/hang.py", "exits", where], timeout=120, env=env)
     assert not result.timed_out and result.returncode != 0, str(result)
-    said = (r"\[rank 0\] allreduce #2 \(numpy float64 \(4,\)\): rank 2 ended its program without "
-            r"reaching it (.*\n)*  not arrived: rank 2\n    rank 2: its program ended \(no error\) "
-            r"after collective #1")
+    said = (rf"\[rank 0\] {waits}: rank 2 ended its program without reaching it (.*\n)*"
+            r"    rank 2: its program ended \(no error\) after collective #1")
     assert re.search(said, result.output), str(result)
     assert "not responding" not in result.output and "unreachable" not in result.output
+    assert result.output.count("ended its program without reaching it") == 1, str(result)
+
+
+def test_a_stall_in_the_connector_s_collectives_is_reported():
+    """Ranks 0 and 1 wait in the connector's barrier (the kind a checkpoint's save and fit's
+    checks make) while rank 2 loops in Python: the stall timeout ends the job with one report
+    (these waits were watched by nothing: the job hung for ever)."""
+    env = mpi_env(META_DIST_STALL_TIMEOUT=str(STALL_S))
+    result = run(3, ["tests/scripts/hang.py", "connector"], timeout=120, env=env)
+    assert not result.timed_out and result.returncode != 0, str(result)
+    said = (r"\[rank 0\] MPIConnector\.barrier: waited 5 s for the other ranks (.*\n)*"
+            r"    rank 2 \(host \S+, pid \d+\): last completed allreduce #1 .*now in no collective")
+    assert re.search(said, result.output), str(result)
+    assert result.output.count("waited 5 s for the other ranks") == 1, str(result)
 
 
 def test_a_program_that_finalizes_mpi_itself_ends_cleanly():

@@ -77,6 +77,8 @@ class Communicator(ABC):
         self._consistency = ConsistencyCheck(self._check_comm, every_call=check)
         self._threads = CommThreads(connector, thread_level, stall_timeout, self._worker_started,
                                     p2p_apart=self._async_p2p_problem() is None)
+        if self._threads.watchdog is not None:  # it watches the connector's collectives too
+            connector.watchdogs.append(self._threads.watchdog)
         self.stream = CommStream()  # where calls on CuPy arrays run (see comm.streams)
         self.fusion = Fusion(self._address, self.stages_device_arrays)
         self.traffic = plans.Traffic(self.size)  # bytes each operation moved; see plans.Traffic
@@ -252,6 +254,8 @@ class Communicator(ABC):
         try:
             self._close_backend()  # still watched: it may wait for device work
         finally:  # whatever the backend did, this communicator is done
+            if self._threads.watchdog in self.connector.watchdogs:
+                self.connector.watchdogs.remove(self._threads.watchdog)
             self._threads.stop_watching()  # frees the watchdog's side channel
             self._consistency.close()
             self._check_comm.Free()

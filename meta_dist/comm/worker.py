@@ -150,7 +150,7 @@ class CommThreads:
         name = api if peer is None else f"{api} {'to' if api == 'send' else 'from'} rank {peer}"
         start = trace.begin() if trace is not None else 0.0
         if watchdog is not None:
-            watchdog.enter(name, arrays, peer is None)
+            watchdog.enter(name, arrays, peer is None, peer)
         try:
             return call()
         finally:

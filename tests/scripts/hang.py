@@ -8,9 +8,11 @@ Python (alive: its watchdog answers) while the others wait in an allreduce of a 
 ZeRO-2 with overlap, it loops in its loss function at step 3 while the others wait in a bucket's
 reduce-scatter on the communication thread; the timeout comes from meta_dist_config.stall_timeout
 (5 s) there. ``elsewhere`` (run with META_DIST_CHECK=0, so no call is compared before it runs):
-it calls barrier while the others allreduce, both collective #2. ``exits``: its program ends
-(exit code 0) while the others go on to allreduce #2. Prints ``unreachable`` where a rank
-outlives the stall.
+it calls barrier while the others allreduce, both collective #2. ``exits WHERE``: its program ends
+(no error) while the others go on to allreduce #2 (WHERE ``allreduce``), a barrier of the
+connector (``connector``, as a checkpoint's save makes) or rank 0 to a recv from it (``recv``).
+``connector``: it loops in Python while the others wait in the connector's barrier. Prints
+``unreachable`` where a rank outlives the stall.
 """
 
 import os
@@ -50,13 +52,23 @@ if MODE in ("loop", "gone"):
         time.sleep(120)  # resumed: mpirun sends SIGCONT before it kills a stopped process
     else:
         comm.allreduce([np.ones(5, np.float32), np.ones((2, 3), np.float32)])
-elif MODE == "exits":
+elif MODE in ("exits", "connector"):
     comm = context.communicator("mpi")
     comm.allreduce(np.ones(4))
-    hang_begins()
-    if last:
+    where = sys.argv[2] if MODE == "exits" else "connector"
+    if last and MODE == "connector":
+        stuck_in_python()
+    elif last:
+        hang_begins()
         sys.exit(0)  # as a script's end: its watchdog tells the others it has gone
-    comm.allreduce(np.ones(4))
+    elif where == "allreduce":
+        comm.allreduce(np.ones(4))
+    elif where == "connector":
+        context.connector.barrier()
+    elif context.rank == 0:
+        comm.recv(np.empty(4), context.size - 1)
+    else:
+        time.sleep(20)  # long enough for rank 0's report
 elif MODE == "elsewhere":
     comm = context.communicator("mpi")
     comm.allreduce(np.ones(4))
