@@ -46,7 +46,7 @@ class MPIConnector:
         self._local_rank = self._node_comm.Get_rank()
         self._local_size = self._node_comm.Get_size()
         # the stall watchdogs of this connector's open communicators (``meta_dist.watchdog``):
-        # the newest also watches the connector's own collectives
+        # the oldest (the context's, usually) also watches the connector's own collectives
         self.watchdogs: list[Any] = []
         if comm is None:
             _check_launcher(self._size)
@@ -135,7 +135,8 @@ class MPIConnector:
     def _watched(self, api: str, call: Callable[[MPI.Comm], Any]) -> Any:
         """Return ``call(comm)``, watched for stalls like a communicator's collectives."""
         comm = self._live_comm(api)
-        watchdog = self.watchdogs[-1] if self.watchdogs else None
+        failfast.note_progress()
+        watchdog = self.watchdogs[0] if self.watchdogs else None
         if watchdog is None:
             return call(comm)
         watchdog.enter(f"MPIConnector.{api}", collective=False, needs="all")  # watchdog.ALL

@@ -110,11 +110,25 @@ def leave_together(code: int) -> None:
     _together[0] = code
 
 
+def note_progress() -> None:
+    """Forget the code of an earlier sys.exit, exit or quit: the program went on (it caught the
+    SystemExit, as a try around argparse does), so that code is not how it ends."""
+    _exit_status[0] = None
+
+
 def leaving_cleanly() -> bool:
     """Return whether this process is ending without an error (at exit: no sys.exit, exit or
-    quit with a code, and not every rank leaving together with one; a bare
-    ``raise SystemExit(n)`` is not seen)."""
-    return _exit_status[0] in (None, 0) and not _together[0]
+    quit with a code, no uncaught exception shown by a hook of the program's own, and not every
+    rank leaving together with a code; a bare ``raise SystemExit(n)`` is not seen)."""
+    return _exit_status[0] in (None, 0) and not _together[0] and _uncaught() is None
+
+
+def _uncaught() -> BaseException | None:
+    """Return the uncaught exception a hook of the program's own showed in ours' place, or
+    None. (Ours ends the job itself; pytest also sets sys.last_value, for a failed test.)"""
+    if sys.excepthook is _end_job_on_exception or not _installed[0]:
+        return None
+    return getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)  # 3.12+, 3.11
 
 
 def _rank() -> str:
@@ -264,12 +278,15 @@ def _abort_on_exception(exc_type: type, exc: BaseException, tb: Any) -> None:
 
 
 def _end_job_if_leaving_early() -> None:
-    status = _exit_status[0]
+    status, uncaught = _exit_status[0], _uncaught()
     code = 0 if status is None else status if isinstance(status, int) else 1
+    if status is None and uncaught is not None:  # a hook of the program's own showed it
+        code = 1
     if code in (0, _together[0]) or (_tracked[0] and not any(not c.closed for c in _connectors)):
         return
-    sys.stderr.write(f"[rank {_rank()}] exits with code {code} while the job is running; "
-                     "ending the job\n")
+    what = (f"ends with an uncaught {type(uncaught).__name__} (shown by the program's own "
+            "sys.excepthook)" if status is None else f"exits with code {code}")
+    sys.stderr.write(f"[rank {_rank()}] {what} while the job is running; ending the job\n")
     end_job(code)
 
 

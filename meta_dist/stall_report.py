@@ -67,7 +67,10 @@ def report(rank: int, size: int, stalled: tuple, waiting: dict[int, float],
     elif others:
         lines.append("  waiting in it: " + ", ".join(
             f"rank {r} for {s:.1f} s" for r, s in sorted(waiting.items())))
-        absent = [r for r in others if r not in answers or answers[r]["seq"] < seq]
+        # no answer: not arrived, unless its program ended after doing its part of this one
+        absent = [r for r in others
+                  if (answers[r]["seq"] if r in answers else exited.get(r, -1)) < seq]
+        finished = [r for r in others if r not in answers and r not in absent]
         # in a collective of the same number but another name: the ranks' calls differ
         elsewhere = [r for r in others if r in answers and any(
             other_seq == seq and other != api for other, other_seq, _, _ in
@@ -81,6 +84,9 @@ def report(rank: int, size: int, stalled: tuple, waiting: dict[int, float],
                          + ", ".join(map(str, elsewhere)) + " (the ranks' calls differ; "
                          "META_DIST_CHECK=1 compares them before they run)")
             lines += [doing(r) for r in elsewhere]
+        if finished:
+            lines.append(f"  did {'their' if len(finished) > 1 else 'its'} part, then ended: rank"
+                         f"{'s' if len(finished) > 1 else ''} " + ", ".join(map(str, finished)))
         if not absent and not elsewhere:
             lines.append("  not arrived: none (every rank reached it: the MPI or NCCL call "
                          "itself is stuck, e.g. on the network)")
@@ -92,9 +98,10 @@ def _doing(rank: int, state: dict | None, exited: int | None, answer_s: float) -
     """Say what a rank that did not arrive was doing, from its answer (None: no answer), or
     that its program ended after entering ``exited`` collectives."""
     if exited is not None and state is None:
-        return (f"    rank {rank}: its program ended (no error) after collective #{exited}, "
-                "with this communicator open: every rank must make the same collective calls "
-                "(an uneven last batch, a rank-dependent loop or early return)")
+        after = f"after collective #{exited}" if exited else "before any collective"
+        return (f"    rank {rank}: its program ended (no error) {after}, with this communicator "
+                "open: the ranks must make matching calls (an uneven last batch, a "
+                "rank-dependent loop or an early return breaks that)")
     if state is None:
         return (f"    rank {rank}: not responding (no answer in {answer_s:.0f} s: its process "
                 "is gone or stopped, or stuck in native code that holds Python's GIL)")

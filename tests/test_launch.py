@@ -313,6 +313,27 @@ def test_a_stall_in_the_connector_s_collectives_is_reported():
     assert result.output.count("waited 5 s for the other ranks") == 1, str(result)
 
 
+def test_a_caught_exit_does_not_end_the_job():
+    """sys.exit(2) and exit(2) caught by the program, which then goes on: the job ends with 0
+    (the recorded code ended the job with 2 at exit, after every rank had finished)."""
+    result = run(3, ["tests/scripts/own_exit_paths.py", "caught"], timeout=120)
+    assert result.returncode == 0, str(result)
+    assert result.output.count(" went on") == 3 and "ending the job" not in result.output
+
+
+def test_an_exception_shown_by_the_program_s_own_hook_ends_the_job():
+    """Rank 2's own sys.excepthook shows its exception in place of meta_dist's: the job still
+    ends at once with code 1 (its peers were told its program ended 'with no error', or waited
+    for the stall timeout)."""
+    env = mpi_env(META_DIST_STALL_TIMEOUT="300")
+    result = run(3, ["tests/scripts/own_exit_paths.py", "hook"], timeout=120, env=env)
+    assert not result.timed_out and result.returncode == 1, str(result)
+    assert "own hook: deliberate failure on rank 2" in result.output, str(result)
+    assert ("[rank 2] ends with an uncaught RuntimeError (shown by the program's own "
+            "sys.excepthook) while the job is running; ending the job") in result.output
+    assert "no error" not in result.output and "unreachable" not in result.output
+
+
 def test_a_program_that_finalizes_mpi_itself_ends_cleanly():
     """mpi4py scripts often end with MPI.Finalize(); the exit handlers after it must make no MPI
     call (telling the peers of the exit sent an Isend after MPI_Finalize: exit 14)."""

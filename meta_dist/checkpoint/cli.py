@@ -128,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "info":
             print(info(args.path))
+            sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
         else:
             written = consolidate(args.path, args.out, args.optimizer)
             print(f"wrote {written}")

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import meta_dist.failfast as failfast
 from meta_dist.lazy_mpi import MPI
 from meta_dist.watchdog import StallWatchdog, resolve_stall_timeout
 
@@ -79,6 +80,7 @@ class CommThreads:
         ``arrays`` are what the watchdog's report names. A ``call.after`` (see Handle) runs in
         this thread once the call has finished.
         """
+        failfast.note_progress()
         queued = self._queues.get(self._key(api, peer))
         if queued is not None and queued[1] is not None and not queued[1].done():
             return self.start(call, api, peer, arrays).wait()
@@ -91,6 +93,7 @@ class CommThreads:
     def start(self, call: Callable[[], Any], api: str, peer: int | None = None,
               arrays: Any = None) -> Handle:
         """Queue ``call`` on the collectives' thread (or the peer's) and return its Handle."""
+        failfast.note_progress()
         key = self._key(api, peer)
         executor = self._queues[key][0] if key in self._queues else ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="meta_dist-comm", initializer=self._on_start)

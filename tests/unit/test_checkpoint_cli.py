@@ -96,12 +96,16 @@ def test_info_into_a_closed_pipe_ends_quietly(saved):
 
     read, write = os.pipe()
     os.close(read)  # the reader left before the first line: every write fails
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     try:
-        done = subprocess.run([sys.executable, "-m", "meta_dist.checkpoint", "info", str(saved)],
-                              stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+        for unbuffered in ({}, {"PYTHONUNBUFFERED": "1"}):  # a shell's default, and ours in CI
+            done = subprocess.run(
+                [sys.executable, "-m", "meta_dist.checkpoint", "info", str(saved)],
+                stdout=write, stderr=subprocess.PIPE, text=True, timeout=120,
+                env={**env, **unbuffered})
+            assert done.returncode == 1 and done.stderr == "", (unbuffered, done.stderr)
     finally:
         os.close(write)
-    assert done.returncode == 1 and done.stderr == "", done.stderr
 
 
 def test_a_failed_consolidate_leaves_the_earlier_export_as_it_was(saved, tmp_path, capsys):
