@@ -24,11 +24,12 @@ from meta_dist.distributed import (
     send,
     shutdown,
 )
+from meta_dist.launcher import launched_size
 from meta_dist.xp import contiguous_arrays
 
 __version__ = "0.1.0"
 
-if failfast.launched_size() > 1:  # a rank of several: failing before MPI starts ends the job
+if launched_size() > 1:  # a rank of several: failing before MPI starts ends the job
     failfast.install()
 else:  # a process alone: a user's mistake is one line, not a traceback
     failfast.install_for_one_process()

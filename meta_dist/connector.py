@@ -1,7 +1,7 @@
 """MPIConnector: the MPI world of this job (who am I, how many are we, on which node).
 
-Imports mpi4py, meta_dist.failfast, meta_dist.blas_threads and meta_dist.errors only; everything
-else in meta_dist that needs to know about ranks asks a connector. The connector also installs
+Imports mpi4py and meta_dist.failfast / launcher / blas_threads / errors only; everything else
+in meta_dist that needs to know about ranks asks a connector. The connector also installs
 the failure policy (``failfast``): a rank that raises or exits with an error ends the whole job,
 so no peer is left waiting in a collective.
 """
@@ -18,6 +18,7 @@ from meta_dist.lazy_mpi import MPI
 
 import meta_dist.blas_threads as blas_threads
 import meta_dist.failfast as failfast
+from meta_dist.launcher import launcher_announcement
 from meta_dist.errors import UsageError
 
 ROOT_RANK = 0
@@ -169,14 +170,14 @@ def _check_launcher(size: int) -> None:
     """
     step_tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
     if size == 1 and step_tasks.isdigit() and int(step_tasks) > 1 and \
-            failfast.launcher_announcement() is None:  # srun's tasks, each MPI alone
+            launcher_announcement() is None:  # srun's tasks, each MPI alone
         raise UsageError(
             f"srun started {step_tasks} tasks (SLURM_STEP_NUM_TASKS={step_tasks}), but this "
             f"process's MPI started alone (size 1): srun offered no process-management "
             f"interface this MPI speaks ({_library_line()}); use srun --mpi=pmix for Open MPI "
             "(it speaks PMIx only), srun --mpi=pmi2 for MPICH, or mpirun (mpiexec) inside "
             "salloc or the batch script")
-    announced = failfast.launcher_announcement()
+    announced = launcher_announcement()
     if announced is None or announced[1] == size:
         return
     beside = Path(sys.executable).parent / "mpirun"

@@ -34,31 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from meta_dist.errors import USAGE_EXIT, UsageError
-
-# how each launcher tells a process its place in the job (Open MPI, MPICH Hydra, PMIx, as srun
-# does too); not SLURM_NTASKS: a batch script's plain ``python`` sees it and rightly runs alone
-LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
-_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+from meta_dist.launcher import launcher_rank
 
 _exit_status: list[Any] = [None]  # what sys.exit was last given
 _connectors: weakref.WeakSet[Any] = weakref.WeakSet()  # open ones keep an early exit fatal
 _installed, _tracked = [False], [False]
 _together: list[int | None] = [None]  # the exit code every rank leaves with (leave_together)
-
-
-def launcher_announcement() -> tuple[str, int] | None:
-    """Return (variable, job size) as the MPI launcher announced it; None without a launcher."""
-    for name in LAUNCHER_SIZE_VARS:
-        value = os.environ.get(name, "")
-        if value.isdigit():
-            return name, int(value)
-    return None
-
-
-def launched_size() -> int:
-    """Return the job's size as the MPI launcher announced it (1 without a launcher)."""
-    announced = launcher_announcement()
-    return 1 if announced is None else announced[1]
 
 
 def install() -> None:
@@ -135,7 +116,7 @@ def _rank() -> str:
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         return str(mpi.COMM_WORLD.Get_rank())
-    return next((os.environ[n] for n in _RANK_VARS if n in os.environ), "?")
+    return launcher_rank()
 
 
 def install_for_one_process() -> None:

@@ -3,8 +3,9 @@
 Imports the standard library, mpi4py (through lazy_mpi) and meta_dist.failfast / errors /
 stall_report (the report's text). Each communicator has one watchdog; every operation is
 bracketed by ``enter`` and ``leave`` (a counter, a dict write and a dict pop: all the common
-path pays), and so are the connector's collectives. A daemon thread looks every POLL_S seconds. When a collective has waited past the stall timeout, the watchdog asks every
-other rank's watchdog what that rank is doing, over a communicator used by the watchdog threads
+path pays), and so are the connector's collectives. A daemon thread looks every POLL_S
+seconds. When a collective has waited past the stall timeout, the watchdog asks every other
+rank's watchdog what that rank is doing, over a communicator used by the watchdog threads
 alone (a heartbeat side channel: a watchdog thread answers while its rank's main thread computes,
 waits in MPI, or loops in Python), and the lowest rank waiting in that collective prints one
 report and ends the job (MPI_Abort)::

@@ -500,3 +500,11 @@ def test_a_job_past_its_time_is_ended_with_every_rank():
     while any(map(running, started)) and time.monotonic() < deadline:
         time.sleep(0.1)  # SIGKILLed: gone as soon as the kernel has taken them down
     assert not any(map(running, started)), f"ranks {started} outlived the job's time limit"
+
+
+def test_help_under_mpirun_is_printed_once():
+    """--help under mpirun printed the usage once per rank; rank 0 prints it, every rank exits 0
+    (before MPI starts: the launcher's rank variables say which rank this is)."""
+    result = run(3, ["scripts/distributed/dist_example.py", "--help"], timeout=120)
+    assert result.returncode == 0, str(result)
+    assert result.output.count("usage: dist_example.py") == 1, str(result)

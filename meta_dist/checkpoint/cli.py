@@ -54,10 +54,10 @@ def consolidate(path: str | Path, out: str | Path, optimizer: bool = False) -> P
 
     Parameter arrays are named as the model names them (``model.state()``), buffers
     (BatchNorm's running statistics, which evaluation needs) as the checkpoint names them,
-    optimizer state ``optimizer/<key>/<parameter>``. The .npz (np.savez's layout: one stored ``.npy`` member per
-    array) is written one parameter at a time, so it needs memory for the largest one, not the
-    model. It is written beside ``out`` and renamed over it once complete, so a consolidation
-    that fails leaves ``out`` as it was.
+    optimizer state ``optimizer/<key>/<parameter>``. The .npz (np.savez's layout: one stored
+    ``.npy`` member per array) is written one parameter at a time, so it needs memory for the
+    largest one, not the model. It is written beside ``out`` and renamed over it once complete,
+    so a consolidation that fails leaves ``out`` as it was.
 
     Raises:
         CheckpointError: the checkpoint cannot be read (missing, corrupt, not meta_dist's).

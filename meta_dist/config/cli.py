@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from meta_dist.config.load import load_config
 from meta_dist.errors import UsageError
+from meta_dist.launcher import launcher_rank
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -40,8 +41,9 @@ def parse_cli(argv: Sequence[str], train_config: dict | None = None,
     """
     words = list(argv)
     if "-h" in words or "--help" in words:
-        print(_usage([w for w in words if w not in ("-h", "--help")], train_config,
-                     meta_dist_config))
+        if launcher_rank() in ("0", "?"):  # once for the job, not once per rank
+            print(_usage([w for w in words if w not in ("-h", "--help")], train_config,
+                         meta_dist_config))
         raise SystemExit(0)
     return _split_words(words)
 
