@@ -92,21 +92,28 @@ def leave_together(code: int) -> None:
 
 
 def note_progress() -> None:
-    """Forget the code of an earlier sys.exit, exit or quit: the program went on (it caught the
-    SystemExit, as a try around argparse does), so that code is not how it ends."""
+    """Forget the code of an earlier sys.exit, exit or quit: the program went on.
+
+    It caught the SystemExit (as a try around argparse does), so that code is not how it ends.
+    """
     _exit_status[0] = None
 
 
 def leaving_cleanly() -> bool:
-    """Return whether this process is ending without an error (at exit: no sys.exit, exit or
-    quit with a code, no uncaught exception shown by a hook of the program's own, and not every
-    rank leaving together with a code; a bare ``raise SystemExit(n)`` is not seen)."""
+    """Return whether this process is ending without an error (asked at exit).
+
+    No sys.exit, exit or quit with a code, no uncaught exception shown by a hook of the
+    program's own, and not every rank leaving together with a code; a bare
+    ``raise SystemExit(n)`` is not seen.
+    """
     return _exit_status[0] in (None, 0) and not _together[0] and _uncaught() is None
 
 
 def _uncaught() -> BaseException | None:
-    """Return the uncaught exception a hook of the program's own showed in ours' place, or
-    None. (Ours ends the job itself; pytest also sets sys.last_value, for a failed test.)"""
+    """Return the uncaught exception a hook of the program's own showed in ours' place, or None.
+
+    Ours ends the job itself; pytest also sets sys.last_value, for a failed test.
+    """
     if sys.excepthook is _end_job_on_exception or not _installed[0]:
         return None
     return getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)  # 3.12+, 3.11

@@ -32,7 +32,8 @@ def report(rank: int, size: int, stalled: tuple, waiting: dict[int, float],
     """Return the report of this rank's stalled operation.
 
     Args:
-        rank, size: this rank and the number of ranks.
+        rank: this rank.
+        size: the number of ranks.
         stalled: (api, sequence number or None, start, arrays) of the operation.
         waiting: rank -> seconds waited in the same collective (this rank's included).
         answers: rank -> its watchdog's state (``StallWatchdog.state``), for those that
@@ -95,8 +96,11 @@ def report(rank: int, size: int, stalled: tuple, waiting: dict[int, float],
 
 
 def _doing(rank: int, state: dict | None, exited: int | None, answer_s: float) -> str:
-    """Say what a rank that did not arrive was doing, from its answer (None: no answer), or
-    that its program ended after entering ``exited`` collectives."""
+    """Say what a rank that did not arrive was doing, or that its program ended.
+
+    From its answer (``state``; None: no answer), or ``exited``: the collectives it entered
+    before its program ended.
+    """
     if exited is not None and state is None:
         after = f"after collective #{exited}" if exited else "before any collective"
         return (f"    rank {rank}: its program ended (no error) {after}, with this communicator "

@@ -138,8 +138,11 @@ class StallWatchdog:
 
     def enter(self, api: str, arrays: Any = None, collective: bool = True,
               needs: Any = None) -> None:
-        """Mark that this thread is now inside ``api``: a numbered collective, or (``collective``
-        off) an operation that ``needs`` rank ``needs`` (a peer) or ``ALL`` ranks."""
+        """Mark that this thread is now inside ``api``.
+
+        A numbered collective, or (``collective`` off) an operation that ``needs`` rank
+        ``needs`` (a peer) or ``ALL`` ranks.
+        """
         seq = None
         if collective:
             seq = self.seq = self.seq + 1
@@ -208,8 +211,10 @@ class StallWatchdog:
                 if heard < late and stalled[2] < late and needs in (ALL, r)]
 
     def announce_exit(self) -> None:
-        """Tell every peer that this rank's program is ending, and how many collectives it
-        entered. At exit, with the thread stopped, before MPI finalizes."""
+        """Tell every peer that this rank's program is ending, and how many collectives it entered.
+
+        At exit, with the thread stopped, before MPI finalizes.
+        """
         if self._side is None or self._side_failed or self.size == 1:
             return
         self._tell_peers(self.seq, EXITED)
@@ -335,8 +340,10 @@ class StallWatchdog:
 
 
 def _stop_running() -> None:
-    """Stop every watchdog thread that uses MPI (at exit, before MPI finalizes); on a clean
-    exit tell the peers (``announce_exit``)."""
+    """Stop every watchdog thread that uses MPI (at exit, before MPI finalizes).
+
+    On a clean exit, tell the peers (``announce_exit``).
+    """
     clean = failfast.leaving_cleanly() and not MPI.Is_finalized()  # else MPI is not usable
     for watchdog in list(_running):
         with contextlib.suppress(Exception):
