@@ -339,9 +339,20 @@ def test_large_fused_list_in_place(comm, connector, dtype, op):
 LAYOUT_SHAPES = {
     # one flat allreduce, packed or (adjacent) straight on the buffer: through the library
     "small": [(5,), (0,), (300,), (10, 7), (1,)],
-    # the same, large enough for the pairwise exchange to cut arrays at the chunk edges
-    "large": [(5,), (0,), (2000000,), (100, 70), (300001,), (1,), (3000,)],
+    # through the pairwise exchange (forced at every size, in 800-byte segments), which cuts
+    # arrays at the edges of the ranks' chunks and of the segments
+    "pairwise": [(5,), (0,), (2000,), (10, 70), (301,), (1,), (30,)],
 }
+PAIRWISE = {"pairwise_min_bytes": {"allreduce": 1, "reduce_scatter": 1}, "segment_bytes": 800}
+
+
+@pytest.fixture(params=["small", "pairwise"])
+def list_case(request, connector):
+    """(communicator, shapes of a list): the library's path, or the pairwise exchange's."""
+    communicator = make_communicator(
+        "mpi", connector, **(PAIRWISE if request.param == "pairwise" else {}))
+    yield communicator, LAYOUT_SHAPES[request.param]
+    communicator.close()
 
 
 def _laid_out(layout, shapes, dtype):
@@ -353,13 +364,12 @@ def _laid_out(layout, shapes, dtype):
 
 
 @pytest.mark.parametrize("op", ["sum", "max"])
-@pytest.mark.parametrize("size", ["small", "large"])
 @pytest.mark.parametrize("layouts", ["adjacent", "separate", "reversed", "by rank"])
-def test_list_layouts_reduce_alike(comm, connector, layouts, size, op):
+def test_list_layouts_reduce_alike(list_case, connector, layouts, op):
     """In-place lists reduce right whatever their memory layout, even when the ranks' layouts
     differ ("by rank": even ranks adjacent, odd ranks separate), which must not change the MPI
     calls a rank makes; twice, so cached plans are reused."""
-    shapes = LAYOUT_SHAPES[size]
+    comm, shapes = list_case
     layout = layouts if layouts != "by rank" else ("adjacent", "separate")[comm.rank % 2]
     mine = _laid_out(layout, shapes, np.float64)
     for round_ in range(2):
@@ -376,11 +386,10 @@ def test_list_layouts_reduce_alike(comm, connector, layouts, size, op):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("size", ["small", "large"])
-def test_list_in_place_on_some_ranks_only(comm, connector, size):
+def test_list_in_place_on_some_ranks_only(list_case, connector):
     """Whether a rank reduces a list in place is its own choice, not part of the check: ranks
     that differ in it must still make the same MPI calls."""
-    shapes = LAYOUT_SHAPES[size]
+    comm, shapes = list_case
     inputs = [[rank_input(i, r, shape, np.float64) for i, shape in enumerate(shapes)]
               for r in range(comm.size)]
     mine = [a.copy() for a in inputs[comm.rank]]
