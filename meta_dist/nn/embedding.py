@@ -15,21 +15,23 @@ import numpy as np
 from meta_dist.nn.grad_blocks import write_grad
 from meta_dist.nn.init import draw_normal
 from meta_dist.nn.layers import Layer, _positive
-from meta_dist.xp import is_cupy_array
+from meta_dist.xp import array_module, is_cupy_array
 
 
 def _scatter_add(out, ids, rows) -> None:
-    """Add ``rows[i]`` to ``out[ids[i]]`` for every i, repeated ids accumulating.
+    """Add ``rows[i]`` to ``out[ids[i]]`` for every i (ids 1-D), repeated ids accumulating.
 
     16-bit gradients are summed in float32 and rounded once, as PyTorch's embedding backward
     accumulates them: added in 16 bits one id at a time, a token seen 4096 times gets 2048 in
     float16 (numpy's add.at rounds every add; CuPy cannot scatter-add bfloat16 at all: 14.2
-    raised "cupy.add.at only supports ..." on an H200).
+    raised "cupy.add.at only supports ..." on an H200). Only the rows the ids touch are widened,
+    not the table (a 50k-token vocabulary's would be 4 bytes a weight every backward).
     """
     if out.dtype.itemsize < 4:
-        wide = out.astype(np.float32)
-        _scatter_add(wide, ids, rows.astype(np.float32))
-        out[...] = wide
+        touched, where = array_module(out).unique(ids, return_inverse=True)
+        sums = out[touched].astype(np.float32)
+        _scatter_add(sums, where.reshape(-1), rows.astype(np.float32))
+        out[touched] = sums.astype(out.dtype)
     elif is_cupy_array(out):
         import cupyx
 

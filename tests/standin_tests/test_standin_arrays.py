@@ -339,3 +339,19 @@ def test_scatter_add_accumulates_and_refuses_bfloat16(cupy):
     out = cupy.zeros((1, 1), bf16)
     _scatter_add(out, cupy.zeros(300, cupy.int64), cupy.asarray(many.astype(bf16)[:, None]))
     assert out.get()[0, 0] == np.float32(many.astype(bf16).astype(np.float32).sum()).astype(bf16)
+
+
+def test_unique_returns_sorted_values_and_what_was_asked(cupy):
+    """cupy.unique (reference/generated/cupy.unique.html): numpy.unique's arguments; the sorted
+    unique values, then the first indices, the inverse and the counts, each only when asked,
+    as device arrays."""
+    ids = cupy.asarray(np.array([5, 1, 5, 9, 1, 5], np.int64))
+    values = cupy.unique(ids)
+    assert isinstance(values, cupy.ndarray)
+    np.testing.assert_array_equal(values.get(), [1, 5, 9])
+    values, first, inverse, counts = cupy.unique(ids, return_index=True, return_inverse=True,
+                                                 return_counts=True)
+    assert all(isinstance(x, cupy.ndarray) for x in (values, first, inverse, counts))
+    np.testing.assert_array_equal(first.get(), [1, 0, 3])
+    np.testing.assert_array_equal(values.get()[inverse.get()], ids.get())
+    np.testing.assert_array_equal(counts.get(), [2, 3, 1])

@@ -370,6 +370,21 @@ def nonzero(a: Any) -> tuple[ndarray, ...]:
 
 
 @register
+def unique(ar: Any, return_index: bool = False, return_inverse: bool = False,
+           return_counts: bool = False, axis: int | None = None, *,
+           equal_nan: bool = True) -> Any:
+    """Return the sorted unique elements, and the index, inverse and counts asked for.
+
+    reference/generated/cupy.unique.html: numpy.unique's arguments and results. The result's
+    size depends on the data, so the host waits for the stream (as for nonzero).
+    """
+    host = _require_array("unique", ar).get()
+    found = np.unique(host, return_index, return_inverse, return_counts, axis,
+                      equal_nan=equal_nan)
+    return tuple(array(x) for x in found) if isinstance(found, tuple) else array(found)
+
+
+@register
 def pad(array: Any, pad_width: Any, mode: str = "constant", **kwargs: Any) -> ndarray:
     """Return ``array`` padded (numpy.pad's modes and arguments)."""
     array = _require_array("pad", array)
