@@ -313,12 +313,14 @@ def test_async_send_recv_exchange_does_not_deadlock(comm):
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int64", "uint8"])
 @pytest.mark.parametrize("op", ["sum", "max", "prod"])
-def test_large_fused_list_in_place(comm, connector, dtype, op):
+def test_large_fused_list_in_place(reducer, connector, dtype, op):
     """A large list of separate arrays reduced in place (packed, one call, unpacked).
 
-    Odd lengths make the pairwise chunks uneven and cut arrays in the middle; new arrays each
-    round, some at recycled ids, must never see another round's values.
+    Through the library and the pairwise exchange: odd lengths make the pairwise chunks uneven
+    and cut arrays in the middle; new arrays each round, some at recycled ids, must never see
+    another round's values.
     """
+    comm = reducer
     sizes = [7, 40001, 1, 30011, 5, 20017, 3]
     for round_ in range(3):
         inputs = [[rank_input(round_ * 10 + i, r, (n,), dtype, op) for i, n in enumerate(sizes)]
@@ -405,13 +407,14 @@ def test_list_in_place_on_some_ranks_only(list_case, connector):
 @pytest.mark.parametrize("dtype", ["float32", "int64"])
 @pytest.mark.parametrize("op", ["sum", "avg", "max"])
 @pytest.mark.parametrize("layout", ["separate", "adjacent"])
-def test_large_list_out_of_place(comm, connector, dtype, op, layout):
+def test_large_list_out_of_place(reducer, connector, dtype, op, layout):
     """Out of place, a large list is read from the inputs and written to new arrays (out=None)
-    or to given ones; the inputs stay as they were. Odd sizes cut arrays at the chunk edges;
-    2-D arrays too."""
+    or to given ones; the inputs stay as they were. Through the pairwise exchange, odd sizes
+    cut arrays at the chunk edges, 2-D arrays too."""
+    comm = reducer
     if not valid(op, dtype):
         pytest.skip("avg needs a floating dtype")
-    shapes = [(7,), (301, 13), (1,), (60001,), (5003,), (0,), (9, 1001)]  # > 256 KiB
+    shapes = [(7,), (301, 13), (1,), (60001,), (5003,), (0,), (9, 1001)]
     mine = _laid_out(layout, shapes, dtype)
     for round_ in range(2):
         inputs = [[rank_input(round_ * 10 + i, r, shape, dtype, op)
@@ -429,10 +432,36 @@ def test_large_list_out_of_place(comm, connector, dtype, op, layout):
             np.testing.assert_array_equal(a, x)
 
 
+def test_large_new_results_are_reused_only_once_dropped(comm, connector):
+    """Results of 1 MiB or more made for out=None are recycled (a fresh buffer costs page
+    faults), but only once nothing refers to them: a result held whole or through a view keeps
+    its values while later calls, on other values, reuse what was dropped."""
+    n = 2**17 + 3  # float64: just over 1 MiB
+
+    def inputs(seed):
+        return [rank_input(seed, r, (n,), np.float64) for r in range(comm.size)]
+
+    held_inputs, viewed_inputs = inputs(1), inputs(2)
+    held = comm.allreduce(held_inputs[comm.rank])
+    viewed = comm.allreduce(viewed_inputs[comm.rank])[3:]
+    dropped = comm.allreduce(inputs(3)[comm.rank])
+    address = dropped.ctypes.data
+    del dropped
+    for seed in (4, 5, 6):
+        later_inputs = inputs(seed)
+        later = comm.allreduce(later_inputs[comm.rank])
+        assert later.ctypes.data == address  # the dropped result's memory, again
+        assert not np.shares_memory(later, held) and not np.shares_memory(later, viewed)
+        assert_matches(later, reference(later_inputs, "sum"), comm.size)
+        del later
+    assert_matches(held, reference(held_inputs, "sum"), comm.size)
+    assert_matches(viewed, reference(viewed_inputs, "sum")[3:], comm.size)
+
+
 def test_arrays_over_foreign_buffers(comm, connector):
     """Arrays whose memory a bytearray owns (np.frombuffer) end their .base chain at no array:
     the out-of-place list and reduce_scatter alias checks must still work on them."""
-    shapes = [(40000,), (7,), (3000,)]  # > 256 KiB of float64: the list exchange
+    shapes = [(40000,), (7,), (3000,)]  # packed, out of place
     inputs = [[rank_input(i, r, shape, np.float64) for i, shape in enumerate(shapes)]
               for r in range(comm.size)]
     mine = [np.frombuffer(bytearray(x.tobytes()), np.float64) for x in inputs[comm.rank]]
