@@ -88,7 +88,8 @@ class Embedding(Layer):
 
     def backward(self, dout):
         """Write the scatter-add of ``dout`` into the rows of dweight; return None (ids)."""
-        ids = self.ids.reshape(-1)
+        # 64-bit: a block's first row may exceed what narrow ids hold (uint8 ids, 600 rows)
+        ids = self.ids.reshape(-1).astype(np.int64, copy=False)
         rows = dout.reshape(-1, self.embedding_dim)
 
         def rows_into(first: int, stop: int, out) -> None:

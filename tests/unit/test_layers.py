@@ -486,6 +486,24 @@ def test_a_16_bit_embedding_gradient_adds_repeated_ids_in_float32(dtype):
                                   [[4000, 4000], [0, 0], [1000, 1000]])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_an_embedding_with_narrow_ids_writes_its_gradient_in_row_blocks(dtype):
+    """ZeRO hands Embedding.backward row blocks (grad_blocks.py); uint8 ids under a block that
+    starts at row 280 raised OverflowError (ids - 280 in uint8) instead of writing the rows."""
+    from meta_dist.nn.embedding import Embedding
+    from meta_dist.nn.grad_blocks import GradBlocks
+
+    layer = Embedding(600, 2, rng=np.random.default_rng(0), dtype=dtype)
+    layer.forward(np.array([1, 5, 100, 5], np.uint8))
+    store = np.full((600, 2), 7, dtype)
+    layer.grads["weight"] = GradBlocks((600, 2), [(0, 280), (280, 600)],
+                                       lambda first, stop: store[first:stop], lambda *_: None)
+    layer.backward(np.ones((4, 2), dtype))
+    want = np.zeros((600, 2), dtype)
+    want[[1, 100]], want[5] = 1, 2
+    np.testing.assert_array_equal(store, want)
+
+
 def test_a_16_bit_embedding_gradient_widens_only_the_rows_it_touches():
     """Backward holds float32 copies of the rows its ids touch, not of the table: a 100000 x 64
     float16 table (12.2 MiB) widened whole took 24.4 MiB more each backward."""
