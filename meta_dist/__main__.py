@@ -1,5 +1,6 @@
 """``python -m meta_dist COMMAND``: the project's operations commands.
 
+Commands:
     mpirun -np N python -m meta_dist doctor    what each rank sees; checks of the launch
     mpirun -np N python -m meta_dist bench collectives|fusion|train|checkpoint [options]
                                                the benchmarks (meta_dist.bench)

@@ -49,9 +49,11 @@ def share_cores(local_size: int) -> int | None:
 
 
 def use_threads(count: int) -> None:
-    """Run this process's BLAS with ``count`` threads, as OMP_NUM_THREADS etc. would have at
-    start: the variables for libraries not loaded yet (torch's OpenMP), the OpenBLAS setter for
-    the one numpy loaded. A benchmark's fairness setting, not training's (``share_cores``)."""
+    """Run this process's BLAS with ``count`` threads, as OMP_NUM_THREADS etc. would at start.
+
+    The variables for libraries not loaded yet (torch's OpenMP), the OpenBLAS setter for the one
+    numpy loaded. A benchmark's fairness setting, not training's (``share_cores``).
+    """
     for name in USER_VARS:
         os.environ[name] = str(count)
     for library in _loaded_openblas():

@@ -14,12 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from meta_dist.lazy_mpi import MPI
-
 import meta_dist.blas_threads as blas_threads
 import meta_dist.failfast as failfast
 from meta_dist.errors import UsageError
 from meta_dist.launcher import launcher_announcement
+from meta_dist.lazy_mpi import MPI
 
 ROOT_RANK = 0
 

@@ -127,8 +127,10 @@ def _rank() -> str:
 
 
 def install_for_one_process() -> None:
-    """Print an uncaught UsageError as one line and exit with USAGE_EXIT (a process that no MPI
-    launcher started); every other exception keeps the hook it had."""
+    """Print an uncaught UsageError as one line and exit with USAGE_EXIT.
+
+    For a process that no MPI launcher started; every other exception keeps the hook it had.
+    """
     if _installed[0]:
         return
     previous = sys.excepthook

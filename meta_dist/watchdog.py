@@ -1,4 +1,4 @@
-"""The stall watchdog: end a job whose collective waits too long, naming the ranks that did not come.
+"""The stall watchdog: end a job whose collective waits too long, naming who did not come.
 
 Imports the standard library, mpi4py (through lazy_mpi) and meta_dist.failfast / errors /
 stall_report (the report's text). Each communicator has one watchdog; every operation is

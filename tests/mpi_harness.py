@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -94,10 +95,10 @@ def _write_report(every):
             if entry["outcome"] == "failed":
                 into["failed_on"].append(rank)
                 into["outcome"] = "failed"
-    partial = f"{path}.partial"  # renamed when whole: a reader never sees half a report
-    with open(partial, "w") as out:
+    partial = Path(f"{path}.partial")  # renamed when whole: a reader never sees half a report
+    with partial.open("w") as out:
         json.dump({"size": WORLD.size, "tests": merged}, out)
-    os.replace(partial, path)
+    partial.replace(path)
 
 
 def pytest_unconfigure(config):

@@ -233,8 +233,8 @@ STALL_S = 5  # tests/scripts/hang.py's stall timeout
 
 @pytest.mark.parametrize("mode, collective, doing", [
     ("loop", r"allreduce #2 \(2 numpy float32 arrays, 0\.0 MiB\)",
-     r"rank 2 \(host \S+, pid \d+\): last completed allreduce #1 \(entered [\d.]+ s ago\); now in no "
-     r"collective, at:\n.*hang\.py\", line \d+, in <module>"),
+     r"rank 2 \(host \S+, pid \d+\): last completed allreduce #1 \(entered [\d.]+ s ago\); "
+     r"now in no collective, at:\n.*hang\.py\", line \d+, in <module>"),
     ("gone", r"allreduce #2 \(2 numpy float32 arrays, 0\.0 MiB\)",
      r"rank 2: not responding \(no answer in 2 s"),
     ("zero2", r"reduce_scatter #\d+ \(numpy float32 \(\d+,\)\)",

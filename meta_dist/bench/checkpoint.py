@@ -27,6 +27,7 @@ from meta_dist.train import Trainer
 
 
 def parse_args(argv):
+    """Parse the command line."""
     p = argparse.ArgumentParser(prog="python -m meta_dist bench checkpoint",
                                 description=__doc__.splitlines()[0])
     p.add_argument("mode", choices=("save", "load"))
@@ -39,6 +40,7 @@ def parse_args(argv):
 
 
 def main(argv):
+    """Save or load the benchmark model's checkpoint and print the times (rank 0)."""
     args = parse_args(argv)
     context = dist.get_context()
     world = MPI.COMM_WORLD

@@ -191,6 +191,7 @@ def parse_args(argv):
 
 
 def main(argv):
+    """Time the collectives beside raw mpi4py and print the table (rank 0)."""
     args = parse_args(argv)
     world = MPI.COMM_WORLD.Dup()  # the raw calls' own communicator
     rank, size = world.rank, world.size

@@ -22,8 +22,11 @@ def check_plotting() -> str | None:
 
 
 def plot_memory(bars: dict[str, dict[str, float]], path: str, title: str) -> None:
-    """Draw ``bars`` (variant -> MiB of params, grads, optimizer, buffers, and measured
-    ``peak``) as stacked bars with the measured peak growth as a marker; write ``path``."""
+    """Draw ``bars`` as stacked bars and write the figure to ``path``.
+
+    ``bars``: variant -> MiB of params, grads, optimizer, buffers, and the measured ``peak``
+    growth, drawn as a marker on its bar.
+    """
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
@@ -36,7 +39,7 @@ def plot_memory(bars: dict[str, dict[str, float]], path: str, title: str) -> Non
         heights = [bars[name][part] for name in names]
         axes.bar(names, heights, bottom=bottoms, color=colour, label=part, width=0.6)
         bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
-    for x, name in enumerate(names):
+    for x in range(len(names)):
         axes.text(x, bottoms[x] * 0.98, f"{bottoms[x]:.0f}", ha="center", va="top", fontsize=8,
                   color="white")
     axes.scatter(names, [bars[name]["peak"] for name in names], marker="_", s=900,

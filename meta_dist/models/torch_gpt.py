@@ -33,6 +33,7 @@ class TorchAttention(nn.Module):
         self.n_head = n_head
 
     def forward(self, x):
+        """Causal self-attention of ``x`` (batch, time, channels)."""
         b, t, c = x.shape
         q, k, v = (z.view(b, t, self.n_head, -1).transpose(1, 2)
                    for z in self.c_attn(x).split(c, dim=2))
@@ -52,6 +53,7 @@ class TorchMLP(nn.Module):
         self.gelu = nn.GELU(approximate="tanh")
 
     def forward(self, x):
+        """Apply the MLP to ``x``."""
         return self.c_proj(self.gelu(self.c_fc(x)))
 
 
@@ -64,6 +66,7 @@ class TorchBlock(nn.Module):
         self.attn, self.mlp = TorchAttention(n_embd, n_head), TorchMLP(n_embd)
 
     def forward(self, x):
+        """Apply the block to ``x``."""
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -80,6 +83,7 @@ class TorchGPT(nn.Module):
         self.lm_head.weight = self.wte.weight  # weight tying, as nanoGPT
 
     def forward(self, idx):
+        """Return the logits (batch, time, vocab) for token ids ``idx`` (batch, time)."""
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for block in self.h:
             x = block(x)

@@ -274,8 +274,10 @@ class Optimizer:
         return sum(int(arr.nbytes) for arr in self.state.values())
 
     def state_bytes_per_element(self) -> int:
-        """Return the state bytes this optimizer keeps per parameter (Adam in fp32: 8), from
-        its kind and dtype alone: what memory predictions multiply by."""
+        """Return the state bytes this optimizer keeps per parameter (Adam in fp32: 8).
+
+        From its kind and dtype alone: what memory predictions multiply by.
+        """
         return len(self._state_keys()) * self.dtype.itemsize
 
 

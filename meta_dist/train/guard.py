@@ -68,8 +68,11 @@ class StepGuard:
 
     @property
     def measures(self) -> bool:
-        """Whether steps are checked at all (the sum of squares, warnings silenced): not in
-        mode ignore without clipping or a loss scale, where only the stop vote is exchanged."""
+        """Whether steps are checked at all (the sum of squares, warnings silenced).
+
+        Not in mode ignore without clipping or a loss scale, where only the stop vote is
+        exchanged.
+        """
         return self.mode != "ignore" or self.waits_before_update
 
     @property

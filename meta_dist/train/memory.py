@@ -48,8 +48,10 @@ class PeakMeter:
         return self._pool.high
 
     def reset(self) -> None:
-        """Measure from now: the high-water mark restarts at what is held now (where the
-        system allows: not off Linux), and ``growth`` counts from here."""
+        """Measure from now: ``growth`` counts from here.
+
+        The high-water mark restarts at what is held now, where the system allows (Linux).
+        """
         if self._pool is None:
             try:
                 Path("/proc/self/clear_refs").write_text("5")

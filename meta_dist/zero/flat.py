@@ -27,8 +27,10 @@ if TYPE_CHECKING:  # the interface only; importing comm would start MPI
 
 
 class FlatModel:
-    """Move a model's parameters into ``flat_params`` (padding zero) and point the layers at it
-    (with ``materialize=False``, level 3's way: read them from the layers where they are).
+    """A model's parameters moved into one flat buffer, ``flat_params``, the layers pointing at it.
+
+    Padding is zero. With ``materialize=False`` (level 3's way) the parameters are read from
+    the layers where they are instead.
 
     Layers whose class sets ``grad_rows = True`` (their backward writes through
     ``nn.grad_blocks.write_grad``) may be cut between buckets; others stay in one bucket.
@@ -113,8 +115,10 @@ class FlatModel:
         return [b for b in self.buckets if b.start < end and begin < b.stop]
 
     def row_spans(self, slot: Slot) -> list[tuple[int, int, Bucket]]:
-        """Return ``(first_row, stop_row, bucket)`` for each bucket ``slot`` lies in, lowest
-        first (a cut layer is cut between rows)."""
+        """Return ``(first_row, stop_row, bucket)`` for each bucket ``slot`` lies in.
+
+        Lowest first; a cut layer is cut between rows.
+        """
         spans = []
         for bucket in self.buckets_between(slot.offset, slot.offset + slot.numel):
             first = max(bucket.start - slot.offset, 0) // slot.row
@@ -123,8 +127,10 @@ class FlatModel:
         return spans
 
     def release_below(self, offset: int, placeholder: Any) -> None:
-        """Point every parameter that lies wholly below flat ``offset`` at ``placeholder``
-        (a scalar broadcast to its shape), dropping the layer's own array."""
+        """Point every parameter that lies wholly below flat ``offset`` at ``placeholder``.
+
+        ``placeholder`` is a scalar broadcast to each shape; the layer's own array is dropped.
+        """
         layers = self.model.layers
         for slot in self.slots:
             if slot.offset + slot.numel <= offset:
@@ -133,8 +139,10 @@ class FlatModel:
         self.bind_ties()
 
     def bind_ties(self, layers: set[int] | None = None) -> None:
-        """Give the later uses of tied parameters the owner's current parameter views
-        (of the owners in ``layers``; None: all)."""
+        """Give the later uses of tied parameters the owner's current parameter views.
+
+        Only the owners in ``layers`` (None: all).
+        """
         model = self.model.layers
         for tie in self.ties:
             if layers is None or tie.owner in layers:

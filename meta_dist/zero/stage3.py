@@ -190,8 +190,11 @@ class ZeroStage3(ZeroStage2):
                                                                  stop))
 
     def _piece(self, bucket: Bucket, slot: Slot, first: int, stop: int) -> Any:
-        """Return rows ``[first, stop)`` of ``slot``, gathering ``bucket`` (unless a piece
-        buffer holds it already) and, with two buffers, starting the layer's next bucket."""
+        """Return rows ``[first, stop)`` of ``slot``, gathering ``bucket`` if need be.
+
+        Unless a piece buffer holds it already; with two buffers, the layer's next bucket
+        starts too.
+        """
         which = self._fetch_piece(bucket)
         self._piece_active = which
         following = bucket.index + 1
@@ -203,8 +206,11 @@ class ZeroStage3(ZeroStage2):
             (stop - first, *slot.shape[1:]))
 
     def _fetch_piece(self, bucket: Bucket, wait: bool = True) -> int:
-        """Return the piece buffer holding ``bucket``, gathering it into the buffer the layer
-        is not reading unless one holds it; ``wait``: until it has landed."""
+        """Return the piece buffer holding ``bucket``.
+
+        Unless one holds it, it is gathered into the buffer the layer is not reading;
+        ``wait``: until it has landed.
+        """
         which = next((i for i, held in enumerate(self._piece_of) if held == bucket.index), None)
         if which is None:
             which = next((i for i in range(len(self._pieces)) if i != self._piece_active), 0)
@@ -267,8 +273,11 @@ def _groups(flat: FlatModel) -> list[dict[str, Any]]:
 
 
 def _streams(flat: FlatModel, group: dict[str, Any]) -> bool:
-    """Whether level 3 streams ``group`` by rows: one layer, cut over several buckets, whose
-    class reads ParamBlocks (``param_rows``), with no parameter tied to another layer."""
+    """Whether level 3 streams ``group`` by rows.
+
+    It does for one layer, cut over several buckets, whose class reads ParamBlocks
+    (``param_rows``), with no parameter tied to another layer.
+    """
     if len(group["layers"]) != 1 or len(group["buckets"]) < 2:
         return False
     layer = group["layers"][0]

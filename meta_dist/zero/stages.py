@@ -98,16 +98,20 @@ class ZeroStage(OwnedLayout):
         grads += staging[: bucket.padded_size]
 
     def _run(self, collective: str, *args: Any, **kwargs: Any) -> Handle | None:
-        """Run ``collective`` of the communicator: on its communication thread with overlap
-        (return the handle), else now (return None). The one place overlap picks the call."""
+        """Run ``collective`` of the communicator; the one place overlap picks the call.
+
+        With overlap on its communication thread (return the handle), else now (return None).
+        """
         if self.overlap:
             return getattr(self.comm, f"{collective}_async")(*args, **kwargs)
         getattr(self.comm, collective)(*args, **kwargs)
         return None
 
     def _two_buffers(self) -> bool:
-        """Whether to double-buffer (staging, gathers): with overlap and more than one bucket,
-        one buffer fills while the other is in flight."""
+        """Whether to double-buffer (staging, gathers).
+
+        With overlap and more than one bucket: one buffer fills while the other is in flight.
+        """
         return self.overlap and len(self.flat.buckets) > 1
 
     def _staging_buffers(self) -> int:

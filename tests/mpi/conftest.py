@@ -10,9 +10,6 @@ Skips depend only on the world size, so every rank collects and runs the same te
 
 import numpy as np
 import pytest
-
-from meta_dist import MPIConnector, make_communicator
-
 from mpi_harness import (  # noqa: F401 - registers the shared hooks here
     pytest_collection_modifyitems,
     pytest_runtest_logreport,
@@ -20,6 +17,8 @@ from mpi_harness import (  # noqa: F401 - registers the shared hooks here
     pytest_sessionfinish,
     pytest_unconfigure,
 )
+
+from meta_dist import MPIConnector, make_communicator
 
 
 @pytest.fixture(scope="session")

@@ -17,10 +17,9 @@ import pytest
 from conftest import same_on_every_rank
 from test_collectives import DTYPES, LENGTHS, OPS, assert_matches, rank_input, reference, valid
 
-from meta_dist import make_communicator
-from meta_dist.errors import UsageError
-from meta_dist import gpus
+from meta_dist import gpus, make_communicator
 from meta_dist.comm.nccl_backend import broadcast_unique_id
+from meta_dist.errors import UsageError
 from meta_dist.gpus import (
     MULTI_RANK_GPU_VERSION,
     decode_nccl_version,

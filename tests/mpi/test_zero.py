@@ -25,9 +25,9 @@ from meta_dist.comm.mpi_backend import MpiCommunicator
 from meta_dist.config import load_config
 from meta_dist.distributed import DistContext
 from meta_dist.errors import UsageError
+from meta_dist.models.gpt import gpt
 from meta_dist.nn.init import deferred
 from meta_dist.nn.layers import Linear, ReLU, Tanh
-from meta_dist.models.gpt import gpt
 from meta_dist.nn.losses import cross_entropy_tokens, mse_loss, softmax_cross_entropy
 from meta_dist.nn.model import Sequential
 from meta_dist.nn.norm import BatchNorm

@@ -5,9 +5,10 @@
 MODE ``planted``: the last rank sends itself SIGTERM while it computes step 3 (from its loss
 function), and only that rank gets it. ``resume``: planted's run, resumed from its latest
 checkpoint to the end. ``late``: one epoch, checkpointed at its end; the last rank gets SIGTERM
-while it writes that checkpoint, after the last step's vote. ``outside``: every rank writes its pid to DIR/pid-R and trains slowly
-for a long time, for the test to signal the ranks from outside, as Slurm does. Checkpoints go
-to DIR/ckpt. Each rank prints ``rank R left after step S`` as it leaves on a signal.
+while it writes that checkpoint, after the last step's vote. ``outside``: every rank writes its pid
+to DIR/pid-R and trains slowly for a long time, for the test to signal the ranks from outside, as
+Slurm does. Checkpoints go to DIR/ckpt. Each rank prints ``rank R left after step S`` as it leaves
+on a signal.
 """
 
 import os

@@ -1,9 +1,11 @@
 """Tests of the CuPy/NCCL stand-in (tests/standin): marker, isolation, knobs.
 
-Every test here carries the ``gpu_standin`` marker (registered in pyproject.toml), so ``python -m pytest -m gpu_standin`` runs them all without a GPU. Single-process tests
-get the stand-in as ``cupy`` for the duration of their module only (other tests keep whatever
-cupy they had). tests/standin_tests/mpi holds the multi-rank tests; it is collected only under
-mpirun with META_DIST_STANDIN_MPI_SUITE=1 (test_standin_suite.py launches it).
+Every test here carries the ``gpu_standin`` marker (registered in pyproject.toml), so
+``python -m pytest -m gpu_standin`` runs them all without a GPU. Single-process tests get the
+stand-in as ``cupy`` for the duration of their module only
+(other tests keep whatever cupy they had).
+tests/standin_tests/mpi holds the multi-rank tests; it is collected only under mpirun with
+META_DIST_STANDIN_MPI_SUITE=1 (test_standin_suite.py launches it).
 """
 
 import importlib.util

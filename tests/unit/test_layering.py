@@ -1,4 +1,5 @@
-"""Imports point one way: connector <- watchdog <- comm <- zero <- train; nn, optim, config, xp are leaves.
+"""Imports point one way: connector <- watchdog <- comm <- zero <- train; nn, optim, config, xp
+are leaves.
 
 meta_dist.errors (the UsageError) imports nothing and may be imported from anywhere.
 """

@@ -1,4 +1,4 @@
-"""PyTorch as the oracle: every layer, loss and optimizer of meta_dist against torch, and a tiny GPT.
+"""PyTorch as the oracle: every layer, loss and optimizer of meta_dist beside torch; a tiny GPT.
 
 Same weights and inputs on both sides; compared: forward output, input gradient, parameter
 gradients (float64 to rtol 1e-10, float32 to 1e-5), optimizers after 50 steps on one fixed
@@ -7,6 +7,8 @@ difference and says why. Skipped where torch is not installed (pip install -e '.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import pytest
@@ -22,8 +24,8 @@ from meta_dist.models.torch_gpt import (  # noqa: E402
     TorchMLP,
     gpt_names,
     is_linear_weight,
-    twin as torch_gpt_twin,
 )
+from meta_dist.models.torch_gpt import twin as torch_gpt_twin  # noqa: E402
 from meta_dist.nn import conv, dropout, embedding, norm  # noqa: E402
 from meta_dist.nn import layers as L  # noqa: E402
 from meta_dist.nn import transformer as T  # noqa: E402
@@ -345,14 +347,14 @@ def test_decay_spans_are_torch_parameter_groups(name, torch_cls, dtype):
     params = start.copy()
     cuts = [0, 3, 10, 20, 27, NUMEL]
     pieces = [torch.from_numpy(start[a:b].copy()).requires_grad_()
-              for a, b in zip(cuts, cuts[1:])]
+              for a, b in itertools.pairwise(cuts)]
     decayed = [pieces[1], pieces[3]]
     rest = [pieces[0], pieces[2], pieces[4]]
     opt_t = torch_cls([{"params": decayed}, {"params": rest, "weight_decay": 0.0}],
                       foreach=False, **config)
     for g in grads:
         opt.step(params, g)
-        for p, a, b in zip(pieces, cuts, cuts[1:]):
+        for p, (a, b) in zip(pieces, itertools.pairwise(cuts), strict=True):
             p.grad = torch.from_numpy(g[a:b].copy())
         opt_t.step()
     close(params, torch.cat([p.detach() for p in pieces]), dtype, f"{name} with decay spans")

@@ -6,7 +6,6 @@ ranks go on where they can (tests/mpi_harness.py); skips depend on the world siz
 """
 
 import pytest
-
 from mpi_harness import (  # noqa: F401 - registers the shared hooks here
     WORLD,
     pytest_collection_modifyitems,

@@ -9,8 +9,15 @@ from __future__ import annotations
 from .. import _engine
 from . import device, memory, runtime, stream
 from .device import Device, get_device_id
-from .memory import (Memory, MemoryPointer, MemoryPool, OutOfMemoryError, alloc, get_allocator,
-                     set_allocator)
+from .memory import (
+    Memory,
+    MemoryPointer,
+    MemoryPool,
+    OutOfMemoryError,
+    alloc,
+    get_allocator,
+    set_allocator,
+)
 from .runtime import CUDARuntimeError
 from .stream import Event, Stream, get_current_stream, get_elapsed_time
 
