@@ -44,7 +44,11 @@ def flavour() -> str:
 
 
 def mpi_env(**extra: str) -> dict[str, str]:
-    """Return an environment in which mpirun runs as root and oversubscribes the cores."""
+    """Return an environment in which mpirun runs as root and oversubscribes the cores.
+
+    Open MPI without its libfabric BTL unless the environment says otherwise
+    (scripts/distributed/gpu_check.py launches with it too, outside pytest).
+    """
     env = dict(os.environ)
     env.update({
         "OMPI_ALLOW_RUN_AS_ROOT": "1",
@@ -54,6 +58,7 @@ def mpi_env(**extra: str) -> dict[str, str]:
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
         "PYTHONUNBUFFERED": "1",
     })
+    env.setdefault("OMPI_MCA_btl", "^ofi")  # one second less per rank: see tests/conftest.py
     env.update(extra)
     return env
 
