@@ -34,11 +34,17 @@ from meta_dist.xp import array_module, data_ptr, gpu_count, is_cupy_array, selec
 ENV_CUDA_AWARE = "META_DIST_CUDA_AWARE_MPI"
 
 MPI_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN", "prod": "PROD"}  # MPI's names
-UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+# max and min skip NaN (IEEE 754 maxNum, numpy's fmax), as NCCL's fmaxf and __hmax do
+UFUNCS = {"sum": np.add, "avg": np.add, "max": np.fmax, "min": np.fmin, "prod": np.multiply}
 # Open MPI 5.0's MPI_SUM on MPI_UNSIGNED_CHAR saturates at 255 (seen with the PyPI wheel) where
 # numpy and C wrap modulo 256, and MPI has no bfloat16 at all: these dtypes are always reduced
 # by numpy in the pairwise path (bfloat16 travels as its 16 raw bits).
 NUMPY_REDUCED = frozenset(d.char for d in DTYPES if d.name in ("uint8", "bfloat16"))
+# The libraries' MPI_MAX and MPI_MIN on floats keep or drop a NaN by which rank holds it (and
+# MPICH's by where in the array it lies): the library calls get numpy's fmax and fmin as
+# user-defined ops instead. The op never decides which calls are made, so ranks that pass
+# different ops with META_DIST_CHECK=0 still meet in the same calls.
+NAN_SKIPPING_OPS = ("max", "min")
 PAIRWISE_MIN_BYTES = {"allreduce": 16 * 2**20, "reduce_scatter": 128 * 1024}
 SEGMENT_BYTES = 512 * 1024
 # Tags: the pairwise exchange uses Sendrecv on the communicator that also carries the user's
@@ -76,6 +82,7 @@ class MpiCommunicator(Communicator):
         self._comm: MPI.Comm = connector.comm.Dup()
         self._ops = {name: getattr(MPI, mpi_name) for name, mpi_name in MPI_OPS.items()}
         self._scratch: dict[tuple[str, np.dtype], Any] = {}
+        self._nan_skipping: dict[tuple[str, np.dtype], MPI.Op] = {}  # see NAN_SKIPPING_OPS
 
     def _call_settings(self) -> dict[str, Any]:
         """See ``Communicator._call_settings``: the pairwise thresholds, CUDA-aware MPI."""
@@ -99,7 +106,7 @@ class MpiCommunicator(Communicator):
             if recv is not send:  # the standard asks every rank for MPI_IN_PLACE, or none
                 recv[...] = send
             if self.size > 1:
-                self._comm.Allreduce(MPI.IN_PLACE, _wire(recv), op=self._ops[op])
+                self._comm.Allreduce(MPI.IN_PLACE, _wire(recv), op=self._op(op, recv))
             return
         bounds = chunk_bounds(send.size, self.size)
         self._pairwise_reduce(send, recv[bounds[self.rank] : bounds[self.rank + 1]], bounds, op)
@@ -142,9 +149,9 @@ class MpiCommunicator(Communicator):
             if recv is not send:
                 recv[...] = send
             if self.size > 1:
-                self._comm.Reduce(MPI.IN_PLACE, _wire(recv), op=self._ops[op], root=root)
+                self._comm.Reduce(MPI.IN_PLACE, _wire(recv), op=self._op(op, recv), root=root)
         else:
-            self._comm.Reduce(_wire(send), None, op=self._ops[op], root=root)
+            self._comm.Reduce(_wire(send), None, op=self._op(op, send), root=root)
 
     def _send(self, buf: Any, peer: int) -> None:
         self._comm.Send(_wire(buf), dest=peer, tag=P2P_TAG)
@@ -157,6 +164,9 @@ class MpiCommunicator(Communicator):
 
     def _close_backend(self) -> None:
         self._scratch.clear()
+        for op in self._nan_skipping.values():
+            op.Free()
+        self._nan_skipping.clear()
         self._comm.Free()
 
     # ---------------------------------------------------------------- the pairwise reduction
@@ -164,6 +174,17 @@ class MpiCommunicator(Communicator):
     def _library_reduces(self, send: Any, api: str) -> bool:
         return (send.nbytes < self.pairwise_min_bytes[api]
                 and send.dtype.char not in NUMPY_REDUCED)
+
+    def _op(self, op: str, arr: Any) -> MPI.Op:
+        """Return the MPI op for ``op`` on ``arr``'s dtype: fmax and fmin for floats' max, min."""
+        if op not in NAN_SKIPPING_OPS or arr.dtype.kind != "f":
+            return self._ops[op]
+        key = (op, arr.dtype)
+        made = self._nan_skipping.get(key)
+        if made is None:
+            made = self._nan_skipping[key] = MPI.Op.Create(
+                _elementwise(UFUNCS[op], arr.dtype), commute=True)
+        return made
 
     def _pairwise_reduce(self, send: Any, mine: Any, bounds: list[int], op: str) -> None:
         """Reduce chunk ``rank`` of ``send`` across ranks into ``mine``.
@@ -179,20 +200,22 @@ class MpiCommunicator(Communicator):
         seg = max(1, self.segment_bytes // send.itemsize)
         longest = max(hi - lo for lo, hi in itertools.pairwise(bounds))
         scratch = self._scratch_buffer(send, min(seg, longest))
-        for start in range(0, longest, seg):
-            part = mine[start : start + seg]
-            for k in range(1, size):
-                to, frm = (rank + k) % size, (rank - k) % size
-                piece = send[bounds[to] + start : min(bounds[to] + start + seg, bounds[to + 1])]
-                # out of place the first contribution lands in the result itself, which then
-                # adds this rank's own: no scratch round trip, and the result is read once
-                first = k == 1 and not in_place
-                got = part if first else scratch[: part.size]
-                self._comm.Sendrecv(_wire(piece), dest=to, sendtag=EXCHANGE_TAG,
-                                    recvbuf=_wire(got), source=frm, recvtag=EXCHANGE_TAG)
-                # CuPy arrays (CUDA-aware MPI) take CuPy's ufunc; ops commute, so the sum is
-                # the same bits in place and out of place
-                ufunc(part, own[start : start + seg] if first else got, out=part)
+        # as the library's own reductions, overflow and inf - inf give inf and NaN silently
+        with np.errstate(all="ignore"):
+            for start in range(0, longest, seg):
+                part = mine[start : start + seg]
+                for k in range(1, size):
+                    to, frm = (rank + k) % size, (rank - k) % size
+                    piece = send[bounds[to] + start : min(bounds[to] + start + seg, bounds[to + 1])]
+                    # out of place the first contribution lands in the result itself, which then
+                    # adds this rank's own: no scratch round trip, and the result is read once
+                    first = k == 1 and not in_place
+                    got = part if first else scratch[: part.size]
+                    self._comm.Sendrecv(_wire(piece), dest=to, sendtag=EXCHANGE_TAG,
+                                        recvbuf=_wire(got), source=frm, recvtag=EXCHANGE_TAG)
+                    # CuPy arrays (CUDA-aware MPI) take CuPy's ufunc; ops commute, so the sum is
+                    # the same bits in place and out of place
+                    ufunc(part, own[start : start + seg] if first else got, out=part)
 
     def _scratch_buffer(self, like: Any, numel: int) -> Any:
         xp = array_module(like)
@@ -201,6 +224,16 @@ class MpiCommunicator(Communicator):
         if buf is None or buf.size < numel:
             buf = self._scratch[key] = xp.empty(numel, like.dtype)
         return buf
+
+
+def _elementwise(ufunc: np.ufunc, dtype: np.dtype) -> Any:
+    """Return an MPI user-defined op's function: ``inout = ufunc(in, inout)`` on ``dtype``."""
+
+    def apply(inbuf: Any, inoutbuf: Any, datatype: MPI.Datatype) -> None:
+        inout = np.frombuffer(inoutbuf, dtype)
+        ufunc(np.frombuffer(inbuf, dtype), inout, out=inout)
+
+    return apply
 
 
 def chunk_bounds(numel: int, parts: int) -> list[int]:

@@ -8,6 +8,7 @@ partial result: rtol = atol = 4 * size * eps(dtype), relative to max |input|**k.
 Sizes include odd lengths; the "pairwise" reducer takes the pairwise exchange at every size.
 """
 
+import functools
 import time
 import warnings
 
@@ -60,7 +61,7 @@ def rank_input(seed, rank, shape, dtype, op="sum"):
 def reference(inputs, op):
     dtype = inputs[0].dtype
     if op in ("max", "min"):
-        return (np.maximum if op == "max" else np.minimum).reduce(np.stack(inputs))
+        return functools.reduce(np.fmax if op == "max" else np.fmin, inputs)  # NaN skipped
     wide = np.float64 if is_float(dtype) else dtype  # ints wrap exactly like the library
     acc = inputs[0].astype(wide)
     for x in inputs[1:]:
@@ -101,6 +102,31 @@ def test_allreduce(reducer, connector, dtype, op):
         assert got is mine
         assert_matches(mine, ref, comm.size)
         assert same_on_every_rank(connector, mine)
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if is_float(d)])
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_max_and_min_skip_nan_whichever_rank_holds_it(reducer, connector, dtype, op):
+    """NaN is skipped, as NCCL does: it stays only where every rank has one (the libraries'
+    MPI_MAX kept or dropped it by which rank held it, and MPICH by where it lay)."""
+    comm = reducer
+    for n in (4, 1001):
+        for holder in range(comm.size):
+            inputs = [rank_input(n, r, (n,), dtype) for r in range(comm.size)]
+            inputs[holder][::2] = np.nan  # one rank's NaN: skipped
+            for x in inputs:
+                x[::4] = np.nan  # every rank's NaN: kept
+            with np.errstate(invalid="ignore"):  # ml_dtypes' bfloat16 fmax warns on NaN
+                ref = reference(inputs, op)
+            got = comm.allreduce(inputs[comm.rank], op)
+            np.testing.assert_array_equal(got.astype(np.float64), ref.astype(np.float64))
+            if comm.size > 1:  # the test means something: only the shared NaN are left
+                assert np.isnan(got.astype(np.float64)).sum() == len(range(0, n, 4))
+            at_root = comm.reduce(inputs[comm.rank], holder, op)
+            if comm.rank == holder:
+                np.testing.assert_array_equal(at_root.astype(np.float64),
+                                              ref.astype(np.float64))
+            assert same_on_every_rank(connector, got)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -217,6 +217,21 @@ def test_allreduce(ncomm, connector, gpu, dtype, op):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_max_and_min_skip_nan_as_the_mpi_backend_does(ncomm, connector, gpu, op):
+    """NCCL reduces floats with fmaxf/fminf: a NaN stays only where every rank has one, the
+    rule the MPI backend follows too (test_collectives)."""
+    n = 1001
+    for holder in range(ncomm.size):
+        inputs = [rank_input(n, r, (n,), "float32") for r in range(ncomm.size)]
+        inputs[holder][::2] = np.nan
+        for x in inputs:
+            x[::4] = np.nan
+        got = ncomm.allreduce(gpu.asarray(inputs[ncomm.rank]), op).get()
+        np.testing.assert_array_equal(got, reference(inputs, op))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", ["sum", "avg"])
 def test_reduce_scatter(ncomm, gpu, dtype, op):

@@ -26,9 +26,11 @@ DATATYPES: dict[int, tuple[str, str, tuple[int, int, int]]] = {
     8: ("float64", "float64", (2, 0, 0)), 9: ("bfloat16", "uint16", (2, 10, 0)),
     10: ("float8_e4m3", "uint8", (2, 24, 0)), 11: ("float8_e5m2", "uint8", (2, 24, 0)),
 }
+# max and min skip NaN: NCCL reduces floats with fmaxf/fminf (fmax/fmin for double, __hmax and
+# __hmin for 16-bit floats: NaN only where both are NaN), src/device/reduce_kernel.h
 OPS: dict[int, tuple[str, Callable[..., Any], tuple[int, int, int]]] = {
     0: ("sum", np.add, (2, 0, 0)), 1: ("prod", np.multiply, (2, 0, 0)),
-    2: ("max", np.maximum, (2, 0, 0)), 3: ("min", np.minimum, (2, 0, 0)),
+    2: ("max", np.fmax, (2, 0, 0)), 3: ("min", np.fmin, (2, 0, 0)),
     4: ("avg", np.add, (2, 10, 0)),
 }
 
