@@ -120,7 +120,8 @@ class DistContext:
         META_DIST_STALL_TIMEOUT, where set, wins over ``seconds``.
         """
         for comm in self._communicators.values():
-            comm.set_stall_timeout(seconds)
+            if not comm.closed:  # one the program closed itself says so when next used
+                comm.set_stall_timeout(seconds)
 
     def close(self) -> None:
         """Close every communicator and the connector. Collective."""

@@ -219,6 +219,7 @@ class Communicator(ABC):
         With META_DIST_CHECK=0 the ranks' collectives since the last comparison are compared
         here too (see ``verify_calls``).
         """
+        self._check_open("barrier")
         self._threads.run(self._compared_barrier, "barrier")
         self.verify_calls()
 
@@ -230,6 +231,7 @@ class Communicator(ABC):
         fingerprinted, and compared here: one 16-byte allreduce. ``barrier``, ``close`` and
         the trainer (each epoch) call it. Collective.
         """
+        self._check_open("verify_calls")
         if self.size > 1 and not self.check:
             self._threads.run(self._consistency.settle, "verify_calls")
 
@@ -241,8 +243,9 @@ class Communicator(ABC):
         """Change the stall timeout (None or 0: no limit); META_DIST_STALL_TIMEOUT still wins.
 
         Raises:
-            RuntimeError: a limit for a communicator made without a watchdog.
+            RuntimeError: a limit for a communicator made without a watchdog; after close().
         """
+        self._check_open("set_stall_timeout")
         self.stall_timeout = self._threads.set_stall_timeout(seconds)
 
     def close(self) -> None:
@@ -270,6 +273,7 @@ class Communicator(ABC):
 
     def _start(self, api: str, make: Callable[..., plans.Run], *args: Any) -> Handle:
         """Plan a collective and queue it on the communication thread; return its Handle."""
+        self._check_open(f"{api}_async")
         self._threads.check_async(api)  # before the plan: a refusal here tells no peers
         return self._threads.start(self._plan(api, make, *args), api, arrays=args[0])
 
@@ -294,6 +298,7 @@ class Communicator(ABC):
 
     def _start_p2p(self, api: str, make: Callable[..., plans.Run], arrays: Any,
                    peer: int) -> Handle:
+        self._check_open(f"{api}_async")
         self._threads.check_async(api)
         run = self._p2p(make, arrays, peer)
         problem = self._async_p2p_problem()
@@ -325,6 +330,12 @@ class Communicator(ABC):
         with first.device:
             run = make(self, *args)
         return self.stream.place(run if advise is None else advised(run, advise), first.device.id)
+
+    def _check_open(self, api: str) -> None:
+        """Raise RuntimeError if this communicator was closed."""
+        if self.closed:
+            raise RuntimeError(f"{api} called after close(); create a new communicator "
+                               "(meta_dist.init() or meta_dist.make_communicator) first")
 
     def _average(self, flat: Any, op: str) -> None:
         """Divide sums by size for op "avg": the only place gradients get averaged."""

@@ -42,7 +42,7 @@ def allreduce(c: Communicator, send: Any, op: str, out: Any) -> Run:
         c._allreduce(flat_send, flat_out, op)
         c._average(flat_out, op)
         c.fusion.unpack(flat_out, unpack_into)
-        return outs if is_list else outs[0]
+        return _result(out, outs, is_list)
 
     return run
 
@@ -71,7 +71,7 @@ def reduce_scatter(c: Communicator, send: Any, op: str, out: Any) -> Run:
         c._average(mine, op)
         if not direct:
             c.fusion.unpack(mine, outs)
-        return outs if is_list else outs[0]
+        return _result(out, outs, is_list)
 
     return run
 
@@ -89,7 +89,7 @@ def allgather(c: Communicator, send: Any, out: Any) -> Run:
         c._fingerprint("allgather", sends)
         if direct:
             c._allgather(flat_view(sends[0]), flat_view(outs[0]))
-            return outs if is_list else outs[0]
+            return _result(out, outs, is_list)
         seg = sum(map(_SIZE, sends))
         buf = c.fusion.buffer(sends[0], seg * c.size)
         mine = buf[c.rank * seg : (c.rank + 1) * seg]
@@ -99,7 +99,7 @@ def allgather(c: Communicator, send: Any, out: Any) -> Run:
         for o, s in zip(outs, sends, strict=True):
             c.fusion.copy(o.reshape(c.size, -1), by_rank[:, start : start + s.size])
             start += s.size
-        return outs if is_list else outs[0]
+        return _result(out, outs, is_list)
 
     return run
 
@@ -120,7 +120,7 @@ def broadcast(c: Communicator, buf: Any, root: int, out: Any) -> Run:
             flat_out[...] = flat_buf
         c._broadcast(flat_out, root)
         c.fusion.unpack(flat_out, unpack_into)
-        return outs if is_list else outs[0]
+        return _result(out, outs, is_list)
 
     return run
 
@@ -143,7 +143,7 @@ def reduce(c: Communicator, send: Any, root: int, op: str, out: Any) -> Run:
             return None
         c._average(flat_out, op)
         c.fusion.unpack(flat_out, unpack_into)
-        return outs if is_list else outs[0]
+        return _result(out, outs, is_list)
 
     return run
 
@@ -195,7 +195,7 @@ def recv(c: Communicator, out: Any, peer: int) -> Run:
             buf = c.fusion.private(outs[0], total)
             c._recv(buf, peer)
             c.fusion.unpack(buf, outs)
-        return outs if is_list else outs[0]
+        return _result(out, outs, is_list)
 
     return run
 
@@ -212,11 +212,16 @@ def _check_peer(c: Communicator, api: str, peer: int) -> None:
                          "cannot send to or receive from itself; copy the array instead")
 
 
+def _result(out: Any, outs: list[Any], is_list: bool) -> Any:
+    """What a call returns: its one array, or its list; ``out`` itself where one was given."""
+    if not is_list:
+        return outs[0]
+    return outs if out is None else out
+
+
 def inputs(c: Communicator, api: str, arrays: Any) -> tuple[list[Any], bool]:
     """Check the arrays a call reads (``checks.inputs``, then the backend's own check)."""
-    if c.closed:
-        raise RuntimeError(f"{api} called after close(); create a new communicator "
-                           "(meta_dist.init() or meta_dist.make_communicator) first")
+    c._check_open(api)
     sends, is_list = checks.inputs(api, arrays)
     c._check_arrays(api, sends)
     return sends, is_list

@@ -207,6 +207,27 @@ def test_reduce(comm, dtype, op):
             assert got is None
 
 
+@pytest.mark.parametrize("kind", [list, tuple])
+def test_a_given_out_list_is_what_comes_back(comm, kind):
+    """``out`` given as a list (or tuple) is returned itself, as the docstrings say, blocking
+    and async, in place and not; out=None gives a list."""
+    n, m = comm.size, 3
+    sends = [rank_input(i, comm.rank, (n * m,), "float64") for i in range(2)]
+    parts = kind(np.empty(m) for _ in sends)
+    whole = kind(np.empty(n * m) for _ in sends)
+    mine = kind(s[comm.rank * m:(comm.rank + 1) * m] for s in sends)
+    assert comm.allreduce(sends, out=whole) is whole
+    assert comm.reduce_scatter(sends, out=parts) is parts
+    assert comm.allgather(mine, out=whole) is whole
+    assert comm.broadcast(sends, out=whole) is whole
+    assert comm.allreduce_async(sends, out=whole).wait() is whole
+    inplace = kind(sends)
+    assert comm.allreduce(inplace, out=inplace) is inplace
+    assert comm.broadcast(inplace, out=inplace) is inplace
+    assert comm.reduce(inplace, 0, out=inplace) is (inplace if comm.rank == 0 else None)
+    assert type(comm.allreduce(inplace)) is list
+
+
 @pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "allgather",
                                         "broadcast", "reduce"])
 def test_fused_list_equals_one_call_per_array(comm, collective):

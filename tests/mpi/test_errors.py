@@ -221,6 +221,13 @@ def test_closed_communicator(connector):
     c.close()
     with pytest.raises(RuntimeError, match="allreduce called after close"):
         c.allreduce(np.ones(2))
+    for name, call in [("barrier", c.barrier), ("verify_calls", c.verify_calls),
+                       ("set_stall_timeout", lambda: c.set_stall_timeout(10)),
+                       ("send", lambda: c.send(np.ones(2), (c.rank + 1) % c.size)),
+                       ("allgather_async", lambda: c.allgather_async(np.ones(2)))]:
+        with pytest.raises(RuntimeError, match=f"{name} called after close"):
+            call()
+    c.close()  # a second close does nothing
 
 
 def test_unknown_backend(connector):
