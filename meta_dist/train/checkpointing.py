@@ -40,17 +40,23 @@ def save(trainer: Trainer, path: str | Path) -> Path:
     if context.rank == context.root_rank:
         checkpoint.commit(tmp, _manifest(trainer, everyone), trainer.config.train.keep_last)
     context.connector.barrier()  # nobody goes on before the checkpoint exists
+    trainer.last_checkpoint = final
     return final
 
 
 def save_once(trainer: Trainer, directory: str) -> Path:
-    """Return this step's checkpoint in ``directory``, saved unless it is there. Collective.
+    """Return this step's checkpoint in ``directory``, saved unless it holds this state. Collective.
 
-    "There" means every rank sees its manifest; otherwise ``trainer.save_checkpoint`` writes it.
+    It does when this trainer saved it, or loaded it and took no step since
+    (``trainer.last_checkpoint``, the same on every rank). A checkpoint of this step number
+    that another run left there (a run resumed from an older step, with other settings) is
+    replaced: it holds another state.
     """
-    done = Path(directory) / checkpoint.step_name(trainer.steps_done)
-    agreed = all(trainer.context.connector.allgather((done / checkpoint.MANIFEST).is_file()))
-    return done if agreed else trainer.save_checkpoint(directory)
+    step = Path(directory) / checkpoint.step_name(trainer.steps_done)
+    last = trainer.last_checkpoint
+    if last is not None and last.resolve() == step.resolve():
+        return step
+    return trainer.save_checkpoint(directory)
 
 
 def _manifest(trainer: Trainer,
@@ -165,6 +171,7 @@ def load(trainer: Trainer, path: str | Path) -> str:
         trainer.scaler.load_state_dict(m["scaler"])
     trainer.steps_done = m["step"]
     trainer.position = (m["epoch"], m["epoch_step"])
+    trainer.last_checkpoint = reader.path
     return _resumed(reader, trainer.config, context.size)
 
 

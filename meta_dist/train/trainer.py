@@ -99,6 +99,7 @@ class Trainer:
         self.steps_done = 0  # optimizer steps taken
         self.total_steps: int | None = None  # for the schedule; fit() sets it
         self.position = (0, 0)  # (epoch, steps done in it): where a checkpoint resumes
+        self.last_checkpoint: Path | None = None  # saved or loaded last (save_once: not again)
         self._evaluate: Callable[[int], None] | None = None  # fit's, while it runs
 
     def parameters(self) -> dict[str, Any]:

@@ -132,6 +132,23 @@ def test_the_last_step_is_saved_and_a_new_run_never_replaces_another_runs(world,
         trainer(world, 1, checkpoint_dir=a_file, checkpoint_every=4).fit(x, y)
 
 
+def test_a_resumed_run_replaces_the_checkpoint_of_its_last_step(world, shared_dir):
+    """Resumed from step 4 of a run that saved steps 4 and 6, with another lr: its own step 6
+    replaces the old one and ``latest`` names it (the old step 6 was kept, its state and lr
+    resumed by the next job, because a step-6 manifest existed; only this run's own save of a
+    step is not written twice)."""
+    x, y = data()
+    trainer(world, 1, checkpoint_dir=shared_dir, checkpoint_every=4).fit(x, y)  # steps 4, 6
+    resumed = trainer(world, 1, checkpoint_dir=shared_dir, checkpoint_every=4, lr=0.003,
+                      resume_from=f"{shared_dir}/step-00000004")
+    resumed.fit(x, y)  # steps 5 and 6; step 6 saved as the run's last
+    latest = checkpoint.Reader(shared_dir)
+    assert latest.path.name == "step-00000006"
+    assert latest.manifest["optimizer"]["hyperparameters"]["lr"] == 0.003
+    for name, value in resumed.parameters().items():
+        np.testing.assert_array_equal(latest.whole("params", name), value)
+
+
 def test_resuming_a_finished_run_trains_no_further(world, shared_dir):
     """max_steps 4 ends mid-epoch 2 (3 steps an epoch), its last checkpoint at step 4: a job
     requeued with resume_from latest takes no step (it used to take a fifth and save it)."""
