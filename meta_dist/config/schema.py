@@ -32,9 +32,20 @@ def _choice(*choices: Any, hints: dict | None = None) -> Any:
     return field(default=choices[0], metadata={"choices": choices, "hints": hints or {}})
 
 
-def _rule(default: Any, rule: str, check: Callable[[Any], bool]) -> Any:
+def _rule(default: Any, rule: str, check: Callable[[Any], bool],
+          hints: dict | None = None) -> Any:
     """Return a field whose values must pass ``check``, described to users as ``rule``."""
-    return field(default=default, metadata={"rule": rule, "check": check})
+    return field(default=default, metadata={"rule": rule, "check": check, "hints": hints or {}})
+
+
+def _path(hint: str) -> Any:
+    """Return a field holding a path or null (the default); an empty path is refused.
+
+    An empty path names no folder (a run with one silently wrote nothing); ``hint`` says what
+    null does instead.
+    """
+    return _rule(None, "null or a non-empty path", lambda v: v is None or bool(v.strip()),
+                 hints={"": hint})
 
 
 class _Validated:
@@ -82,7 +93,8 @@ class DistConfig(_Validated):
             job ends (0: wait forever). META_DIST_STALL_TIMEOUT overrides it.
         trace: A folder: each rank writes there a Chrome trace (Perfetto) of its phases and
             communication, ``trace-rank{R}.json``, when fit ends (``meta_dist.trace``; ``python
-            -m meta_dist trace merge DIR OUT.json`` joins them); null records nothing.
+            -m meta_dist trace merge DIR OUT.json`` joins them); null records nothing (an
+            empty path is refused).
     """
 
     enable_data_parallel: bool = True
@@ -96,7 +108,8 @@ class DistConfig(_Validated):
     nonfinite: str = _choice("stop", "skip", "ignore")
     max_skipped_steps: int = _rule(10, ">= 1", lambda v: v >= 1)
     stall_timeout: float = _rule(300.0, ">= 0 (0: no limit)", lambda v: v >= 0)
-    trace: str | None = None
+    trace: str | None = _path("trace: null (or no trace) records none; give a folder to "
+                              "write the traces in, e.g. traces")
 
     @staticmethod
     def _check_together(values: dict[str, Any], where: Callable[..., str]) -> None:
@@ -152,9 +165,11 @@ class TrainConfig(_Validated):
         clip_grad_norm: Clip the gradients to this global L2 norm (null: no clipping).
         lr_schedule: ``constant`` or ``cosine`` (decay to 0 at the last step).
         warmup_steps: Optimizer steps of linear warmup first.
-        checkpoint_dir: Where checkpoints are written (null: none).
+        checkpoint_dir: Where checkpoints are written (null: none; an empty path is refused).
         checkpoint_every: Optimizer steps between checkpoints; 0 saves at each epoch's end.
-        keep_last: Complete checkpoints kept (older ones are removed after a save).
+            Changed from 0, it needs checkpoint_dir (it would save nothing).
+        keep_last: Complete checkpoints kept (older ones are removed after a save). Changed
+            from 2, it needs checkpoint_dir.
         resume_from: ``latest`` (the newest in checkpoint_dir), a checkpoint's path, or null.
         max_steps: Optimizer steps of a run counted in steps (train_gpt.py); null: n_epoch.
         eval_every: Steps between validation evaluations (train_gpt.py; 0: at the end only).
@@ -191,10 +206,13 @@ class TrainConfig(_Validated):
     clip_grad_norm: float | None = _rule(None, "null or > 0", lambda v: v is None or v > 0)
     lr_schedule: str = _choice("constant", "cosine")
     warmup_steps: int = _rule(0, ">= 0", lambda v: v >= 0)
-    checkpoint_dir: str | None = None
+    checkpoint_dir: str | None = _path("checkpoint_dir: null (or no checkpoint_dir) writes no "
+                                       "checkpoints; give a directory to write them in, e.g. "
+                                       "checkpoints")
     checkpoint_every: int = _rule(0, ">= 0", lambda v: v >= 0)
     keep_last: int = _rule(2, ">= 1", lambda v: v >= 1)
-    resume_from: str | None = None
+    resume_from: str | None = _path("resume_from: null (or no resume_from) starts a new run; "
+                                    "latest continues from checkpoint_dir's newest checkpoint")
     max_steps: int | None = _rule(None, "null or >= 1", lambda v: v is None or v >= 1)
     eval_every: int = _rule(0, ">= 0", lambda v: v >= 0)
     n_layer: int = _rule(2, ">= 1", lambda v: v >= 1)
@@ -222,6 +240,7 @@ class TrainConfig(_Validated):
                 f"{where('resume_from', 'checkpoint_dir')}: {TRAIN}.resume_from 'latest' needs "
                 f"{TRAIN}.checkpoint_dir; got checkpoint_dir=None, expected the directory to "
                 "look in; set checkpoint_dir, or resume_from: a checkpoint's path")
+        _check_checkpoint_keys(values, where)
         if values["optimizer"] == "sgd" and values["nesterov"] and values["momentum"] == 0:
             raise UsageError(
                 f"{where('nesterov', 'momentum')}: {TRAIN}.nesterov needs {TRAIN}.momentum; got "
@@ -247,6 +266,25 @@ class TrainConfig(_Validated):
                 f"expected an existing .npz file with arrays x, y (looked in {Path.cwd()}); "
                 "fix the path or set data_path: null for synthetic data"
             )
+
+
+def _check_checkpoint_keys(values: dict[str, Any], where: Callable[..., str]) -> None:
+    """Raise UsageError if checkpoint_every or keep_last was changed without checkpoint_dir.
+
+    Changed, they ask for checkpoints that no run would write. Their defaults ask for nothing,
+    also written out (a resolved config saved as YAML, ``Config.as_dicts``, holds every key).
+    """
+    fields = TrainConfig.__dataclass_fields__
+    asked = [name for name in ("checkpoint_every", "keep_last")
+             if values[name] != fields[name].default]
+    if not asked or values["checkpoint_dir"] is not None:
+        return
+    keys = " and ".join(f"{TRAIN}.{name}" for name in asked)
+    raise UsageError(
+        f"{where(*asked)}: {keys} need{'s' if len(asked) == 1 else ''} {TRAIN}.checkpoint_dir; "
+        f"got {', '.join(f'{name}={values[name]}' for name in asked)} with checkpoint_dir=None, "
+        "expected a directory to write the checkpoints in; set checkpoint_dir, or leave "
+        f"{' and '.join(asked)} out (no checkpoints)")
 
 
 @dataclass(frozen=True)
@@ -310,8 +348,10 @@ def check_value(key: str, value: Any, source: str) -> Any:
             f"({type(value).__name__}), expected {type_name(hint)}{', ' + rule if rule else ''}"
         )
     if (choices and coerced not in choices) or ("check" in meta and not meta["check"](coerced)):
-        hint_text = meta.get("hints", {}).get(coerced, "")
-        wrong = "is not a valid choice" if choices else "is out of range"
+        empty = isinstance(coerced, str) and not coerced.strip()
+        hint_text = meta.get("hints", {}).get("" if empty else coerced, "")
+        wrong = ("is not a valid choice" if choices else "is empty" if empty
+                 else "is out of range")
         raise UsageError(
             f"{source_label(source)}: {key} {wrong}; got {value!r}, expected {rule}"
             + (f"; {hint_text}" if hint_text else "")

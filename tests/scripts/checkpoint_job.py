@@ -37,7 +37,7 @@ def model():
 
 def config(**train):
     return load_config({"optimizer": "adam", "lr": 0.01, "batch_size": BATCH, "n_epoch": 2,
-                        "n_mini_batch": STEPS, "keep_last": 10, **train},
+                        "n_mini_batch": STEPS, **train},
                        {"zero_opt_level": LEVEL, "bucket_size_mb": 1e-4, "backend": "mpi",
                         "device": "cpu"})
 
@@ -57,8 +57,8 @@ if MODE == "kill" and context.rank == 1:
 
     checkpoint.save_shard = save_then_die
 if MODE in ("save", "kill"):
-    Trainer(model(), config(checkpoint_dir=DIR, checkpoint_every=3 if MODE == "save" else 2),
-            log=None).fit(x, y)
+    Trainer(model(), config(checkpoint_dir=DIR, checkpoint_every=3 if MODE == "save" else 2,
+                            keep_last=10), log=None).fit(x, y)
 else:
     resumed = Trainer(model(), config(resume_from=str(Path(DIR) / checkpoint.step_name(3))))
     resumed.fit(x, y)

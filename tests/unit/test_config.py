@@ -383,6 +383,37 @@ def test_nesterov_needs_momentum():
     )
 
 
+def test_checkpoint_keys_need_a_checkpoint_dir(tmp_path):
+    """checkpoint_every or keep_last set without checkpoint_dir asked for checkpoints that no
+    run wrote (silently). Their defaults stay quiet, also when written out (a resolved config
+    saved as YAML holds every key: test_as_dicts_is_plain_and_round_trips)."""
+    raises(ValueError, lambda: load_config(overrides=["checkpoint_every=2", "keep_last=5"]),
+           "command line: train_config.checkpoint_every and train_config.keep_last need "
+           "train_config.checkpoint_dir", "checkpoint_every=2, keep_last=5",
+           "set checkpoint_dir")
+    path = write(tmp_path, "train_config:\n  keep_last: 3\n")
+    raises(ValueError, lambda: load_config(path=path), f"{path}: train_config.keep_last needs")
+    raises(ValueError, lambda: load_config({"checkpoint_every": 4}), "script dict",
+           "checkpoint_every=4")
+    raises(ValueError, lambda: TrainConfig(checkpoint_every=3), "TrainConfig(...)",
+           "checkpoint_every=3")
+    assert load_config(overrides=["checkpoint_every=2", "checkpoint_dir=ck"]).train.keep_last == 2
+    assert load_config({"checkpoint_every": 0, "keep_last": 2}).train.checkpoint_dir is None
+
+
+@pytest.mark.parametrize(("section", "key"), [("train_config", "checkpoint_dir"),
+                                              ("train_config", "resume_from"),
+                                              ("meta_dist_config", "trace")])
+def test_an_empty_path_is_refused(tmp_path, section, key):
+    """An empty path is no path: checkpoint_dir "" (with checkpoint_every) wrote nothing and
+    trace "" recorded nothing, without a word; null is how to ask for none."""
+    path = write(tmp_path, f'{section}:\n  {key}: ""\n')
+    raises(ValueError, lambda: load_config(path=path), f"{path}: {section}.{key} is empty; got "
+           "'', expected null or a non-empty path", f"{key}: null")
+    raises(ValueError, lambda: load_config(overrides=[f"{key}=' '"]), "command line",
+           f"{section}.{key} is empty")
+
+
 # --- files -----------------------------------------------------------------------------------
 
 

@@ -98,9 +98,12 @@ def test_empty_override_value_is_refused(word):
     raises(lambda: load_config(overrides=[word]), "command line", repr(word), f"{name}=null")
 
 
-def test_null_and_empty_string_overrides_still_work():
-    cfg = load_config(overrides=["checkpoint_dir=null", "trace=''"])
-    assert cfg.train.checkpoint_dir is None and cfg.dist.trace == ""
+def test_null_and_empty_string_overrides_are_read_as_written():
+    """null is None; a quoted '' is the empty string (refused as an empty path, not as a word
+    with no value: test_config.py's test_an_empty_path_is_refused)."""
+    cfg = load_config(overrides=["checkpoint_dir=null", "trace=null"])
+    assert cfg.train.checkpoint_dir is None and cfg.dist.trace is None
+    raises(lambda: load_config(overrides=["trace=''"]), "meta_dist_config.trace is empty; got ''")
 
 
 # --- numbers the YAML 1.2 way ----------------------------------------------------------------
