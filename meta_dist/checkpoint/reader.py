@@ -118,7 +118,10 @@ class Reader:
             return {}
         path = self.path / BUFFERS
         try:
-            with np.load(path, allow_pickle=False) as saved:
+            saved = np.load(path, allow_pickle=False)
+            if not isinstance(saved, np.lib.npyio.NpzFile):  # an .npy file loads as an array
+                raise ValueError("a single .npy array, not a zip archive")
+            with saved:
                 arrays = {name: saved[name] for name in saved.files}
         except (ValueError, OSError, KeyError) as error:
             raise CheckpointError(f"checkpoint: {path} is not a readable .npz file ({error}); "
@@ -143,22 +146,35 @@ class Reader:
                 raise CheckpointError(f"checkpoint: {path} is missing; expected every rank's "
                                       f"files ({len(self.manifest['shards'])} ranks wrote one "
                                       f"each): copy the whole checkpoint directory")
-            try:
-                self._files[key] = np.load(path, mmap_mode="r", allow_pickle=False)
-            except (ValueError, OSError) as error:
-                if "Python objects" in str(error) or "Object arrays" in str(error):
-                    raise CheckpointError(
-                        f"checkpoint: {path} holds Python objects (a pickle), which no save "
-                        "writes and meta_dist never loads (unpickling could run code); use a "
-                        "checkpoint meta_dist wrote") from None
-                raise CheckpointError(f"checkpoint: {path} is not a readable .npy file "
-                                      f"({error}); it is truncated or corrupt") from None
+            self._files[key] = _map_npy(path)
         return self._files[key]
 
     def _file(self, rank: int, what: str) -> np.ndarray:
         if self.verify and (rank, what) not in self._checked:
             self.check(rank, what)
         return self.open(rank, what)
+
+
+def _map_npy(path: Path) -> np.ndarray:
+    """Memory-map the .npy file ``path``.
+
+    Raises:
+        CheckpointError: it is not a readable .npy file (truncated, a zip archive, a pickle).
+    """
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+        if not isinstance(array, np.ndarray):  # a zip (.npz) loads as an NpzFile
+            array.close()
+            raise ValueError("a zip archive, as an .npz file is")
+    except (ValueError, OSError) as error:
+        if "Python objects" in str(error) or "Object arrays" in str(error):
+            raise CheckpointError(
+                f"checkpoint: {path} holds Python objects (a pickle), which no save writes and "
+                "meta_dist never loads (unpickling could run code); use a checkpoint meta_dist "
+                "wrote") from None
+        raise CheckpointError(f"checkpoint: {path} is not a readable .npy file ({error}); it "
+                              "is truncated or corrupt") from None
+    return array
 
 
 def _check_manifest(path: Path, manifest: object) -> None:

@@ -218,3 +218,29 @@ def test_consolidate_through_a_link_replaces_the_file_it_names(saved, tmp_path):
     assert link.is_symlink() and sorted(p.name for p in real.parent.iterdir()) == ["model.npz"]
     with np.load(real) as merged:
         assert merged["0.Linear.bias"].shape == (4,)
+
+
+def test_a_shard_that_is_a_zip_archive_is_named(saved, tmp_path, capsys):
+    """A shard replaced by an .npz (np.load returns an NpzFile for a zip): one line and exit
+    code 2, as for any unreadable .npy file, not AttributeError: 'NpzFile' object has no
+    attribute 'reshape'. Opened without its checksum (a resuming trainer's ranks open every
+    file first) it is refused too, not returned."""
+    shard = checkpoint.shard_file(saved, 0, "params")
+    np.savez(tmp_path / "z.npz", a=np.zeros(3))
+    shard.write_bytes((tmp_path / "z.npz").read_bytes())
+    line = one_line_usage_error(capsys, ["consolidate", str(saved), str(tmp_path / "m.npz")])
+    assert line.startswith(f"checkpoint: {shard} is not a readable .npy file (a zip archive, "
+                           "as an .npz file is); it is truncated or corrupt"), line
+    with pytest.raises(checkpoint.CheckpointError, match="is not a readable .npy file"):
+        checkpoint.Reader(saved, verify=False).open(0, "params")
+
+
+def test_buffers_that_are_not_a_zip_archive_are_named(tmp_path, capsys):
+    """buffers.npz replaced by a plain .npy file (np.load returns an array, no archive)."""
+    step = write_checkpoint(tmp_path / "ck", {"1.BatchNorm.running_mean": np.zeros(2)})
+    np.save(step / checkpoint.BUFFERS, np.zeros(2))  # np.save adds .npy: move it in place
+    (step / f"{checkpoint.BUFFERS}.npy").replace(step / checkpoint.BUFFERS)
+    line = one_line_usage_error(capsys, ["consolidate", str(step), str(tmp_path / "m.npz")])
+    assert line.startswith(f"checkpoint: {step / checkpoint.BUFFERS} is not a readable .npz "
+                           "file (a single .npy array, not a zip archive); it is truncated or "
+                           "corrupt"), line
