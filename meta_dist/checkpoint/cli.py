@@ -17,7 +17,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from meta_dist.checkpoint.files import MANIFEST, CheckpointError
+from meta_dist.checkpoint.files import LATEST, MANIFEST, STEP_PREFIX, TMP_PREFIX, CheckpointError
 from meta_dist.checkpoint.reader import Reader
 from meta_dist.errors import USAGE_EXIT, UsageError
 
@@ -61,12 +61,14 @@ def consolidate(path: str | Path, out: str | Path, optimizer: bool = False) -> P
 
     Raises:
         CheckpointError: the checkpoint cannot be read (missing, corrupt, not meta_dist's).
-        UsageError: ``out`` cannot be written (a directory, in no existing directory).
+        UsageError: ``out`` cannot be written (a directory, in no existing directory), or is
+            inside a checkpoint or is ``latest`` (it would be destroyed).
     """
     reader = Reader(path)
     whats = ["params"] + (list(reader.manifest["optimizer"]["state"]) if optimizer else [])
     out = Path(out)
     target = out.resolve() if out.is_symlink() else out  # replace the file, not the link
+    _check_outside_checkpoints(out, reader.path)
     stream = _open_beside(target)
     tmp = Path(stream.name)
     try:
@@ -90,6 +92,29 @@ def consolidate(path: str | Path, out: str | Path, optimizer: bool = False) -> P
     finally:
         tmp.unlink(missing_ok=True)  # gone already once renamed
     return out
+
+
+def _check_outside_checkpoints(out: Path, checkpoint: Path) -> None:
+    """Raise UsageError if writing ``out`` would change ``checkpoint`` or one beside it.
+
+    Beside it (in its checkpoint_dir) are the other checkpoints, saves under way and
+    ``latest``; any other file there is no checkpoint's. Links are followed, as the write
+    follows them.
+    """
+    read, where = checkpoint.resolve(), out.resolve()
+    home = read.parent
+    part = next(iter(where.relative_to(home).parts), "") if where.is_relative_to(home) else ""
+    if where.is_relative_to(read):
+        what = f"is inside the checkpoint it reads ({checkpoint})"
+    elif part.startswith((STEP_PREFIX, TMP_PREFIX)):
+        what = f"is inside another checkpoint ({home / part})"
+    elif part == LATEST:
+        what = f"is {home}'s {LATEST} (it names the checkpoint a resume takes)"
+    else:
+        return
+    raise UsageError(f"consolidate: {out} {what}; writing it would damage the checkpoints; "
+                     "expected a path outside every checkpoint and latest, e.g. "
+                     f"{home / 'model.npz'}")
 
 
 def _open_beside(out: Path) -> BinaryIO:

@@ -136,6 +136,8 @@ def test_consolidate_onto_a_directory_names_it(saved, tmp_path, capsys):
     line = one_line_usage_error(capsys, ["consolidate", str(saved), str(tmp_path)])
     assert line.startswith(f"consolidate: {tmp_path} is a directory; expected the .npz "), line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    line = one_line_usage_error(capsys, ["consolidate", str(saved), str(saved.parent)])
+    assert line.startswith(f"consolidate: {saved.parent} is a directory; "), line
 
 
 @pytest.mark.parametrize("manifest, says", [
@@ -244,3 +246,28 @@ def test_buffers_that_are_not_a_zip_archive_are_named(tmp_path, capsys):
     assert line.startswith(f"checkpoint: {step / checkpoint.BUFFERS} is not a readable .npz "
                            "file (a single .npy array, not a zip archive); it is truncated or "
                            "corrupt"), line
+
+
+@pytest.mark.parametrize("read, out", [
+    ("step", "step/manifest.json"),  # the checkpoint read: it was overwritten, exit code 0
+    ("dir", "step/rank00000.params.npy"),  # read through its checkpoint_dir's latest
+    ("link", "link/new.npz"),  # a link to the checkpoint read
+    ("step", "dir/latest"),  # the file naming it (a resume then failed on its bytes)
+    ("step", "dir/step-00000004/manifest.json"),  # another checkpoint beside it
+])
+def test_consolidate_never_writes_into_a_checkpoint(saved, tmp_path, capsys, read, out):
+    """consolidate read every array first and then replaced the file it was told to write:
+    given a file of a checkpoint, it destroyed it. Refused, whichever path leads there, before
+    anything is written (not even its temporary file); beside the checkpoints is fine."""
+    older = write_checkpoint(tmp_path / "other", {}).rename(saved.parent / "step-00000004")
+    (tmp_path / "link").symlink_to(saved)
+    paths = {"step": saved, "dir": saved.parent, "link": tmp_path / "link"}
+    target = paths[out.split("/")[0]].joinpath(*out.split("/")[1:])
+    before = {p: p.read_bytes() for p in saved.parent.rglob("*") if p.is_file()}
+    line = one_line_usage_error(capsys, ["consolidate", str(paths[read]), str(target)])
+    assert line.startswith(f"consolidate: {target} is "), line
+    assert ("; writing it would damage the checkpoints; expected a path outside every "
+            f"checkpoint and latest, e.g. {saved.parent}/model.npz") in line
+    assert {p: p.read_bytes() for p in saved.parent.rglob("*") if p.is_file()} == before
+    assert older.is_dir()
+    assert main(["consolidate", str(paths[read]), str(saved.parent / "model.npz")]) == 0
