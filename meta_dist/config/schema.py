@@ -167,9 +167,8 @@ class TrainConfig(_Validated):
         warmup_steps: Optimizer steps of linear warmup first.
         checkpoint_dir: Where checkpoints are written (null: none; an empty path is refused).
         checkpoint_every: Optimizer steps between checkpoints; 0 saves at each epoch's end.
-            Changed from 0, it needs checkpoint_dir (it would save nothing).
-        keep_last: Complete checkpoints kept (older ones are removed after a save). Changed
-            from 2, it needs checkpoint_dir.
+            Above 0 it needs checkpoint_dir (it would save nothing).
+        keep_last: Complete checkpoints kept (older ones are removed after a save).
         resume_from: ``latest`` (the newest in checkpoint_dir), a checkpoint's path, or null.
         max_steps: Optimizer steps of a run counted in steps (train_gpt.py); null: n_epoch.
         eval_every: Steps between validation evaluations (train_gpt.py; 0: at the end only).
@@ -269,22 +268,19 @@ class TrainConfig(_Validated):
 
 
 def _check_checkpoint_keys(values: dict[str, Any], where: Callable[..., str]) -> None:
-    """Raise UsageError if checkpoint_every or keep_last was changed without checkpoint_dir.
+    """Raise UsageError if checkpoint_every asks for checkpoints without checkpoint_dir.
 
-    Changed, they ask for checkpoints that no run would write. Their defaults ask for nothing,
-    also written out (a resolved config saved as YAML, ``Config.as_dicts``, holds every key).
+    Its default (0) asks for none, also written out (a resolved config saved as YAML,
+    ``Config.as_dicts``, holds every key). keep_last needs no checkpoint_dir: it prunes after
+    ``Trainer.save_checkpoint`` too.
     """
-    fields = TrainConfig.__dataclass_fields__
-    asked = [name for name in ("checkpoint_every", "keep_last")
-             if values[name] != fields[name].default]
-    if not asked or values["checkpoint_dir"] is not None:
+    if values["checkpoint_every"] == 0 or values["checkpoint_dir"] is not None:
         return
-    keys = " and ".join(f"{TRAIN}.{name}" for name in asked)
     raise UsageError(
-        f"{where(*asked)}: {keys} need{'s' if len(asked) == 1 else ''} {TRAIN}.checkpoint_dir; "
-        f"got {', '.join(f'{name}={values[name]}' for name in asked)} with checkpoint_dir=None, "
-        "expected a directory to write the checkpoints in; set checkpoint_dir, or leave "
-        f"{' and '.join(asked)} out (no checkpoints)")
+        f"{where('checkpoint_every', 'checkpoint_dir')}: {TRAIN}.checkpoint_every needs "
+        f"{TRAIN}.checkpoint_dir; got checkpoint_every={values['checkpoint_every']} with "
+        "checkpoint_dir=None, expected a directory to write the checkpoints in; set "
+        "checkpoint_dir, or leave checkpoint_every out (no checkpoints)")
 
 
 @dataclass(frozen=True)

@@ -383,16 +383,18 @@ def test_nesterov_needs_momentum():
     )
 
 
-def test_checkpoint_keys_need_a_checkpoint_dir(tmp_path):
-    """checkpoint_every or keep_last set without checkpoint_dir asked for checkpoints that no
-    run wrote (silently). Their defaults stay quiet, also when written out (a resolved config
-    saved as YAML holds every key: test_as_dicts_is_plain_and_round_trips)."""
+def test_checkpoint_every_needs_a_checkpoint_dir(tmp_path):
+    """checkpoint_every set without checkpoint_dir asked for checkpoints that no run wrote
+    (silently). Its default stays quiet, also when written out (a resolved config saved as YAML
+    holds every key: test_as_dicts_is_plain_and_round_trips); keep_last prunes after
+    Trainer.save_checkpoint too, so it needs no checkpoint_dir."""
     raises(ValueError, lambda: load_config(overrides=["checkpoint_every=2", "keep_last=5"]),
-           "command line: train_config.checkpoint_every and train_config.keep_last need "
-           "train_config.checkpoint_dir", "checkpoint_every=2, keep_last=5",
-           "set checkpoint_dir")
-    path = write(tmp_path, "train_config:\n  keep_last: 3\n")
-    raises(ValueError, lambda: load_config(path=path), f"{path}: train_config.keep_last needs")
+           "command line and default: train_config.checkpoint_every needs "
+           "train_config.checkpoint_dir",
+           "checkpoint_every=2 with checkpoint_dir=None", "set checkpoint_dir")
+    path = write(tmp_path, "train_config:\n  checkpoint_every: 3\n")
+    raises(ValueError, lambda: load_config(path=path), f"{path} and default: train_config.")
+    assert load_config(overrides=["keep_last=5"]).train.keep_last == 5
     raises(ValueError, lambda: load_config({"checkpoint_every": 4}), "script dict",
            "checkpoint_every=4")
     raises(ValueError, lambda: TrainConfig(checkpoint_every=3), "TrainConfig(...)",
