@@ -236,6 +236,29 @@ def reduce(send: Any, root: int = 0, op: str = "sum", *, out: Any = None) -> Any
     return _live_context("reduce").communicator_for(send).reduce(send, root, op, out=out)
 
 
+def reduce_scatter_async(send: Any, op: str = "sum", *, out: Any = None) -> Handle:
+    """See ``Communicator.reduce_scatter_async``. Collective."""
+    return _live_context("reduce_scatter_async").communicator_for(send).reduce_scatter_async(
+        send, op, out=out)
+
+
+def allgather_async(send: Any, *, out: Any = None) -> Handle:
+    """See ``Communicator.allgather_async``. Collective."""
+    return _live_context("allgather_async").communicator_for(send).allgather_async(send, out=out)
+
+
+def broadcast_async(buf: Any, root: int = 0, *, out: Any = None) -> Handle:
+    """See ``Communicator.broadcast_async``. Collective."""
+    return _live_context("broadcast_async").communicator_for(buf).broadcast_async(
+        buf, root, out=out)
+
+
+def reduce_async(send: Any, root: int = 0, op: str = "sum", *, out: Any = None) -> Handle:
+    """See ``Communicator.reduce_async``. Collective."""
+    return _live_context("reduce_async").communicator_for(send).reduce_async(
+        send, root, op, out=out)
+
+
 def send(array: Any, peer: int) -> None:
     """See ``Communicator.send``."""
     _live_context("send").communicator_for(array).send(array, peer)
@@ -244,6 +267,16 @@ def send(array: Any, peer: int) -> None:
 def recv(out: Any, peer: int) -> Any:
     """See ``Communicator.recv``."""
     return _live_context("recv").communicator_for(out).recv(out, peer)
+
+
+def send_async(array: Any, peer: int) -> Handle:
+    """See ``Communicator.send_async``."""
+    return _live_context("send_async").communicator_for(array).send_async(array, peer)
+
+
+def recv_async(out: Any, peer: int) -> Handle:
+    """See ``Communicator.recv_async``."""
+    return _live_context("recv_async").communicator_for(out).recv_async(out, peer)
 
 
 def barrier() -> None:

@@ -96,10 +96,11 @@ def contiguous_arrays(shapes: list[tuple[int, ...]], dtype: object,
     array is an ordinary C-contiguous view of the buffer.
 
     Args:
-        shapes: the arrays' shapes.
+        shapes: the arrays' shapes (an int is a 1-D shape, as numpy.zeros takes it).
         dtype: their one dtype.
         xp: numpy (host arrays) or cupy (device arrays).
     """
+    shapes = [(int(s),) if isinstance(s, (int, np.integer)) else tuple(s) for s in shapes]
     return split_buffer(xp.zeros(sum(math.prod(shape) for shape in shapes), dtype), shapes)
 
 

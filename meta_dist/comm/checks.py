@@ -86,17 +86,20 @@ def check_op(api: str, op: Any, allowed: tuple[str, ...], dtype: np.dtype) -> No
 
 def check_rank(api: str, what: str, value: Any, size: int) -> None:
     """Raise ValueError unless ``value`` is an int rank in [0, size)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
-            0 <= value < size):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{api}: {what} is not an int; got {value!r} ({type(value).__name__}), "
+                         f"expected an int with 0 <= {what} < {size}")
+    if not 0 <= value < size:
         raise ValueError(f"{api}: {what} out of range; got {value!r}, expected 0 <= {what} < "
                          f"{size}")
 
 
 def check_rows(api: str, sends: list[Any], size: int) -> None:
     """Raise ValueError unless every array's axis 0 divides by ``size`` (reduce_scatter)."""
+    check_axis0(api, sends)
     for s in sends:
-        if s.ndim == 0 or s.shape[0] % size:
-            rows = s.shape[0] if s.ndim else "no axis 0"
+        if s.shape[0] % size:
+            rows = s.shape[0]
             raise ValueError(
                 f"{api}: send has {rows} rows along axis 0 (shape {s.shape}), size is {size}; "
                 f"expected a multiple of {size}; pad axis 0 "
@@ -104,7 +107,7 @@ def check_rows(api: str, sends: list[Any], size: int) -> None:
 
 
 def check_axis0(api: str, sends: list[Any]) -> None:
-    """Raise ValueError for a 0-d array (allgather concatenates along axis 0)."""
+    """Raise ValueError for a 0-d array (allgather and reduce_scatter work along axis 0)."""
     if any(s.ndim == 0 for s in sends):
         raise ValueError(f"{api}: send is 0-d; expected an array with axis 0")
 

@@ -52,6 +52,21 @@ def test_context_and_module_level_collectives():
     np.testing.assert_array_equal(meta_dist.allreduce(x), np.full((4, 4), total))
     y, z = meta_dist.allreduce([x, x[0]])
     np.testing.assert_array_equal(z, np.full(4, total))
+    n, r = dctx.size, dctx.rank  # each collective's async twin, at module level too
+    rows = np.arange(2 * n, dtype=np.float64)
+    np.testing.assert_array_equal(meta_dist.reduce_scatter_async(rows).wait(),
+                                  n * rows[2 * r:2 * r + 2])
+    np.testing.assert_array_equal(meta_dist.allgather_async(rows[:2] + r).wait(),
+                                  np.concatenate([rows[:2] + k for k in range(n)]))
+    np.testing.assert_array_equal(meta_dist.broadcast_async(x, root=n - 1).wait(),
+                                  np.full((4, 4), n, np.float32))
+    at_root = meta_dist.reduce_async(x, root=0).wait()
+    assert (at_root is None) == (r != 0)
+    if n > 1 and r < 2:
+        sent = meta_dist.send_async(x, 1 - r)
+        got = meta_dist.recv_async(np.empty_like(x), 1 - r).wait()
+        sent.wait()
+        np.testing.assert_array_equal(got, np.full((4, 4), 2 - r, np.float32))
     dctx.enable_data_parallel = True
     dctx.zero_opt_level = 3
     with pytest.raises(ValueError, match="zero_opt_level must be one of 0, 1, 2, 3; got 4"):

@@ -45,8 +45,12 @@ def test_op_rank_and_rows():
         checks.check_op("reduce_scatter", "max", checks.SCATTER_OPS, np.dtype(np.float32))
     with pytest.raises(TypeError, match="op 'avg' needs a floating dtype; got int32"):
         checks.check_op("allreduce", "avg", checks.REDUCE_OPS, np.dtype(np.int32))
-    for bad in (-1, 4, True, 1.0, "0"):
+    for bad in (-1, 4):
         with pytest.raises(ValueError, match=f"root out of range; got {bad!r}, expected 0 <= "):
+            checks.check_rank("broadcast", "root", bad, 4)
+    for bad, kind in ((True, "bool"), (1.0, "float"), ("0", "str"), (np.array(1), "ndarray")):
+        with pytest.raises(ValueError, match=f"root is not an int; got .*\\({kind}\\), "
+                                             "expected an int with 0 <= root < 4"):
             checks.check_rank("broadcast", "root", bad, 4)
     checks.check_rank("broadcast", "root", np.int64(3), 4)
     checks.check_rows("reduce_scatter", [np.ones((8, 2))], 4)
@@ -54,6 +58,9 @@ def test_op_rank_and_rows():
         checks.check_rows("reduce_scatter", [np.ones(8), np.ones(7)], 4)
     with pytest.raises(ValueError, match="allgather: send is 0-d"):
         checks.check_axis0("allgather", [np.ones(())])
+    with pytest.raises(ValueError, match="reduce_scatter: send is 0-d; expected an array with "
+                                         "axis 0"):
+        checks.check_rows("reduce_scatter", [np.ones(())], 4)
 
 
 def test_outputs_must_mirror_the_input():
@@ -105,6 +112,12 @@ def test_adjacent_run_spans_exactly_a_list_laid_back_to_back():
     assert checks.adjacent_run([np.ones(2), np.ones(2)]) is None  # separate allocations
     gap = np.zeros(10)
     assert checks.adjacent_run([gap[:4], gap[5:]]) is None  # one buffer, with a gap
+
+
+def test_contiguous_arrays_takes_int_shapes_as_numpy_zeros_does():
+    arrays = contiguous_arrays([4, np.int64(5), (2, 3)], np.float32)
+    assert [a.shape for a in arrays] == [(4,), (5,), (2, 3)]
+    assert checks.adjacent_run(arrays).shape == (15,)
 
 
 def test_adjacent_run_follows_views_whose_base_is_not_the_owner():
