@@ -48,7 +48,7 @@ def inputs(api: str, arrays: Any) -> tuple[list[Any], bool]:
             type(a) is kind and a.dtype is dtype and a.flags.c_contiguous for a in items):
         return items, is_list
     if not (hasattr(first, "shape") and hasattr(first, "flags") and dtype in _DTYPE_SET
-            and all(type(a) is kind and a.dtype == dtype for a in items)):
+            and all(same_kind(a, first) and a.dtype == dtype for a in items)):
         _diagnose(api, items, is_list)
     xp = array_module(first)
     return [a if a.flags.c_contiguous else xp.ascontiguousarray(a) for a in items], is_list
@@ -67,10 +67,22 @@ def _diagnose(api: str, items: list[Any], is_list: bool) -> None:
             raise TypeError(
                 f"{api}: a fused list must share one dtype; got {items[0].dtype} (item 0) and "
                 f"{a.dtype} (item {i}); convert them or call once per dtype")
-        if type(a) is not type(items[0]):
+        if not same_kind(a, items[0]):
             raise TypeError(f"{api}: a fused list must hold one kind of array; got "
                             f"{type(items[0]).__name__} (item 0) and {type(a).__name__} "
                             f"(item {i}); move them all to the host or all to the GPU")
+
+
+def same_kind(a: Any, b: Any) -> bool:
+    """Whether two arrays are of one type, an np.memmap counting as a numpy array.
+
+    Other subclasses stay apart: a masked array's mask, or np.matrix's shapes, would be lost.
+    """
+    return type(a) is type(b) or _plain(a) is _plain(b)
+
+
+def _plain(arr: Any) -> type:
+    return np.ndarray if isinstance(arr, np.memmap) else type(arr)
 
 
 def check_op(api: str, op: Any, allowed: tuple[str, ...], dtype: np.dtype) -> None:
@@ -133,7 +145,7 @@ def outputs(api: str, out: Any, shapes: list[tuple[int, ...]], like: list[Any],
         if not hasattr(o, "shape") or not hasattr(o, "dtype") or not hasattr(o, "flags"):
             raise TypeError(f"{api}: out[{i}] is a {type(o).__name__}; expected a numpy or cupy "
                             "array, or out=None")
-        if type(o) is not type(like[0]):
+        if not same_kind(o, like[0]):
             raise TypeError(f"{api}: out[{i}] is a {type(o).__name__}, the input a "
                             f"{type(like[0]).__name__}; expected the same kind of array")
         if tuple(o.shape) != tuple(shape) or o.dtype != like[0].dtype:

@@ -228,6 +228,21 @@ def test_a_given_out_list_is_what_comes_back(comm, kind):
     assert type(comm.allreduce(inplace)) is list
 
 
+def test_memmaps_are_numpy_arrays_here(comm, tmp_path):
+    """np.memmap (an ndarray subclass) is taken as out and in a list beside plain arrays (it
+    was refused as 'another kind of array', told to move to the host or GPU)."""
+    mapped = np.memmap(tmp_path / f"out-{comm.rank}.bin", np.float32, "w+", shape=(6,))
+    x = np.arange(6, dtype=np.float32) + comm.rank
+    ref = comm.size * np.arange(6) + comm.size * (comm.size - 1) / 2
+    assert comm.allreduce(x, out=mapped) is mapped
+    np.testing.assert_array_equal(mapped, ref)
+    got = comm.allreduce([x, mapped])
+    np.testing.assert_array_equal(got[1], comm.size * ref)
+    plain = x.copy()
+    assert comm.allreduce([plain, mapped], out=[plain, mapped])[1] is mapped
+    np.testing.assert_array_equal(plain, ref)
+
+
 @pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "allgather",
                                         "broadcast", "reduce"])
 def test_fused_list_equals_one_call_per_array(comm, collective):
