@@ -1,19 +1,24 @@
 """Coercion of a given value to a field's type hint, and the hint's name for messages.
 
-Imports typing only; ``schema.check_value`` imports it. A YAML file, a script dict and a
-``KEY=VALUE`` word all hand over plain values (int, float, str, bool, None, list); ``coerce``
-turns one into the field's type or says it cannot, and ``type_name`` words the hint the same way.
+Imports typing and numpy only; ``schema.check_value`` imports it. A YAML file, a script dict
+and a ``KEY=VALUE`` word all hand over plain values (int, float, str, bool, None, list; a script
+dict may hold numpy numbers, taken as the Python ones); ``coerce`` turns one into the field's
+type or says it cannot, and ``type_name`` words the hint the same way.
 """
 
 from __future__ import annotations
 
 from typing import Any, get_args, get_origin
 
+import numpy as np
+
 BAD = object()  # what coerce returns for a value that does not fit (None is a valid value)
 
 
 def coerce(value: Any, hint: Any) -> Any:
     """Return ``value`` as type ``hint`` (int to float, list to tuple), or ``BAD``."""
+    if isinstance(value, np.generic):  # np.int64(64) from a script's arithmetic: 64
+        value = value.item()
     args = get_args(hint)
     if type(None) in args:
         return None if value is None else coerce(value, args[0])

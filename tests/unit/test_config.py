@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -280,6 +281,19 @@ def test_wrong_type_names_allowed_values_and_source():
         "0",
         "bool (true/false)",
     )
+
+
+def test_numpy_numbers_in_a_script_dict_are_their_python_values():
+    """A script's arithmetic gives numpy numbers (np.int64 from len(x) // 10): they were
+    refused as the wrong type."""
+    config = load_config({"batch_size": np.int64(64), "lr": np.float32(0.5),
+                          "input_shape": [np.int64(28)]},
+                         {"zero_opt_level": np.int32(2), "overlap_comm": np.bool_(False)})
+    assert config.train.batch_size == 64 and type(config.train.batch_size) is int
+    assert config.train.lr == 0.5 and type(config.train.lr) is float
+    assert config.dist.zero_opt_level == 2 and config.dist.overlap_comm is False
+    raises(UsageError, lambda: load_config({"batch_size": np.float64(64.5)}),
+           "train_config.batch_size has the wrong type; got", "64.5")
 
 
 def test_ints_accepted_for_floats_and_inf_rejected():
