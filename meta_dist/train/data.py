@@ -52,8 +52,8 @@ def load_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
 
     Raises:
         UsageError: the file is missing or not an .npz (a .npy, text, a damaged archive), lacks
-            ``x`` or ``y``, holds Python objects, or its lengths differ; the message names the
-            file.
+            ``x`` or ``y``, holds Python objects, its lengths differ, or x holds NaN or inf;
+            the message names the file.
     """
     if not Path(path).is_file():
         raise UsageError(f"{path}: no such file (looked in {Path.cwd()}); expected an .npz "
@@ -86,6 +86,11 @@ def load_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     if len(x) != len(y) or y.ndim != 1 or y.dtype.kind not in "iu":
         raise UsageError(f"{path}: x has {len(x)} samples and y has shape {y.shape}, dtype "
                          f"{y.dtype}; expected y of shape ({len(x)},) with integer labels")
+    if x.dtype.kind in "fc" and not np.isfinite(x).all():  # training would stop at its loss
+        bad = ~np.isfinite(x.reshape(len(x), -1)).all(axis=1)
+        raise UsageError(f"{path}: x holds NaN or inf in {int(bad.sum())} of {len(x)} samples "
+                         f"(the first: sample {int(np.argmax(bad))}); expected finite inputs; "
+                         "drop or repair those samples")
     return x, y.astype(np.int64)
 
 

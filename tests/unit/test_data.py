@@ -55,3 +55,15 @@ def test_load_npz(tmp_path):
     np.savez(uneven, x=np.ones((4, 2)), y=np.arange(3))
     with pytest.raises(ValueError, match="x has 4 samples"):
         load_npz(uneven)
+
+
+def test_load_npz_names_samples_that_are_not_finite(tmp_path):
+    """NaN in a data file stopped training at its first loss, with a traceback on every rank;
+    it is a mistake in the data file: one message naming the file and the samples."""
+    x = np.ones((5, 2, 2), np.float32)
+    x[3, 1, 0], x[4, 0, 0] = np.nan, np.inf
+    path = tmp_path / "nan.npz"
+    np.savez(path, x=x, y=np.arange(5))
+    with pytest.raises(ValueError, match=r"nan.npz: x holds NaN or inf in 2 of 5 samples \(the "
+                                         r"first: sample 3\); expected finite inputs"):
+        load_npz(path)
