@@ -106,6 +106,8 @@ def contiguous_arrays(shapes: list[tuple[int, ...]], dtype: object,
 
 def split_buffer(buffer: object, shapes: list[tuple[int, ...]]) -> list:
     """Return views of a 1-D ``buffer`` shaped ``shapes``, back to back from its start."""
+    if len(shapes) == 1:  # one array, as most calls have: nothing to add up
+        return [buffer[: math.prod(shapes[0])].reshape(shapes[0])]
     ends = list(itertools.accumulate(map(math.prod, shapes), initial=0))
     views = [buffer[a:b] for a, b in itertools.pairwise(ends)]  # a fused list: thousands, maybe
     for i, shape in enumerate(shapes):
