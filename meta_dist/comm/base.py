@@ -219,7 +219,7 @@ class Communicator(ABC):
         With META_DIST_CHECK=0 the ranks' collectives since the last comparison are compared
         here too (see ``verify_calls``).
         """
-        self._check_open("barrier")
+        plans.check_open(self, "barrier")
         self._threads.run(self._compared_barrier, "barrier")
         self.verify_calls()
 
@@ -231,7 +231,7 @@ class Communicator(ABC):
         fingerprinted, and compared here: one 16-byte allreduce. ``barrier``, ``close`` and
         the trainer (each epoch) call it. Collective.
         """
-        self._check_open("verify_calls")
+        plans.check_open(self, "verify_calls")
         if self.size > 1 and not self.check:
             self._threads.run(self._consistency.settle, "verify_calls")
 
@@ -245,7 +245,7 @@ class Communicator(ABC):
         Raises:
             RuntimeError: a limit for a communicator made without a watchdog; after close().
         """
-        self._check_open("set_stall_timeout")
+        plans.check_open(self, "set_stall_timeout")
         self.stall_timeout = self._threads.set_stall_timeout(seconds)
 
     def close(self) -> None:
@@ -273,7 +273,7 @@ class Communicator(ABC):
 
     def _start(self, api: str, make: Callable[..., plans.Run], *args: Any) -> Handle:
         """Plan a collective and queue it on the communication thread; return its Handle."""
-        self._check_open(f"{api}_async")
+        plans.check_open(self, f"{api}_async")
         self._threads.check_async(api)  # before the plan: a refusal here tells no peers
         return self._threads.start(self._plan(api, make, *args), api, arrays=args[0])
 
@@ -298,7 +298,7 @@ class Communicator(ABC):
 
     def _start_p2p(self, api: str, make: Callable[..., plans.Run], arrays: Any,
                    peer: int) -> Handle:
-        self._check_open(f"{api}_async")
+        plans.check_open(self, f"{api}_async")
         self._threads.check_async(api)
         run = self._p2p(make, arrays, peer)
         problem = self._async_p2p_problem()
@@ -330,12 +330,6 @@ class Communicator(ABC):
         with first.device:
             run = make(self, *args)
         return self.stream.place(run if advise is None else advised(run, advise), first.device.id)
-
-    def _check_open(self, api: str) -> None:
-        """Raise RuntimeError if this communicator was closed."""
-        if self.closed:
-            raise RuntimeError(f"{api} called after close(); create a new communicator "
-                               "(meta_dist.init() or meta_dist.make_communicator) first")
 
     def _average(self, flat: Any, op: str) -> None:
         """Divide sums by size for op "avg": the only place gradients get averaged."""

@@ -219,9 +219,16 @@ def _result(out: Any, outs: list[Any], is_list: bool) -> Any:
     return outs if out is None else out
 
 
+def check_open(c: Communicator, api: str) -> None:
+    """Raise RuntimeError if ``c`` was closed."""
+    if c.closed:
+        raise RuntimeError(f"{api} called after close(); create a new communicator "
+                           "(meta_dist.init() or meta_dist.make_communicator) first")
+
+
 def inputs(c: Communicator, api: str, arrays: Any) -> tuple[list[Any], bool]:
     """Check the arrays a call reads (``checks.inputs``, then the backend's own check)."""
-    c._check_open(api)
+    check_open(c, api)
     sends, is_list = checks.inputs(api, arrays)
     c._check_arrays(api, sends)
     return sends, is_list
