@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,8 @@ NUMPY_REDUCED = frozenset(d.char for d in DTYPES if d.name in ("uint8", "bfloat1
 # user-defined ops instead. The op never decides which calls are made, so ranks that pass
 # different ops with META_DIST_CHECK=0 still meet in the same calls.
 NAN_SKIPPING_OPS = ("max", "min")
+_NAN_SKIPPING: dict[tuple[str, np.dtype], MPI.Op] = {}  # see nan_skipping_op
+_NAN_SKIPPING_LOCK = threading.Lock()
 PAIRWISE_MIN_BYTES = {"allreduce": 16 * 2**20, "reduce_scatter": 128 * 1024}
 SEGMENT_BYTES = 512 * 1024
 # Tags: the pairwise exchange uses Sendrecv on the communicator that also carries the user's
@@ -82,7 +85,6 @@ class MpiCommunicator(Communicator):
         self._comm: MPI.Comm = connector.comm.Dup()
         self._ops = {name: getattr(MPI, mpi_name) for name, mpi_name in MPI_OPS.items()}
         self._scratch: dict[tuple[str, np.dtype], Any] = {}
-        self._nan_skipping: dict[tuple[str, np.dtype], MPI.Op] = {}  # see NAN_SKIPPING_OPS
 
     def _call_settings(self) -> dict[str, Any]:
         """See ``Communicator._call_settings``: the pairwise thresholds, CUDA-aware MPI."""
@@ -164,9 +166,6 @@ class MpiCommunicator(Communicator):
 
     def _close_backend(self) -> None:
         self._scratch.clear()
-        for op in self._nan_skipping.values():
-            op.Free()
-        self._nan_skipping.clear()
         self._comm.Free()
 
     # ---------------------------------------------------------------- the pairwise reduction
@@ -179,12 +178,7 @@ class MpiCommunicator(Communicator):
         """Return the MPI op for ``op`` on ``arr``'s dtype: fmax and fmin for floats' max, min."""
         if op not in NAN_SKIPPING_OPS or arr.dtype.kind != "f":
             return self._ops[op]
-        key = (op, arr.dtype)
-        made = self._nan_skipping.get(key)
-        if made is None:
-            made = self._nan_skipping[key] = MPI.Op.Create(
-                _elementwise(UFUNCS[op], arr.dtype), commute=True)
-        return made
+        return nan_skipping_op(op, arr.dtype)
 
     def _pairwise_reduce(self, send: Any, mine: Any, bounds: list[int], op: str) -> None:
         """Reduce chunk ``rank`` of ``send`` across ranks into ``mine``.
@@ -224,6 +218,21 @@ class MpiCommunicator(Communicator):
         if buf is None or buf.size < numel:
             buf = self._scratch[key] = xp.empty(numel, like.dtype)
         return buf
+
+
+def nan_skipping_op(op: str, dtype: np.dtype) -> MPI.Op:
+    """Return the process's one user-defined MPI op for float ``op`` (max, min) on ``dtype``.
+
+    Made on first use and kept for the process, shared by every communicator: MPI libraries
+    cap how many user-defined ops a process may hold (mpi4py: 32), and these are at most 6.
+    """
+    key = (op, dtype)
+    with _NAN_SKIPPING_LOCK:  # two communicators' threads may ask at once
+        made = _NAN_SKIPPING.get(key)
+        if made is None:
+            made = _NAN_SKIPPING[key] = MPI.Op.Create(_elementwise(UFUNCS[op], dtype),
+                                                      commute=True)
+    return made
 
 
 def _elementwise(ufunc: np.ufunc, dtype: np.dtype) -> Any:

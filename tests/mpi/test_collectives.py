@@ -129,6 +129,21 @@ def test_max_and_min_skip_nan_whichever_rank_holds_it(reducer, connector, dtype,
             assert same_on_every_rank(connector, got)
 
 
+def test_many_communicators_take_max_and_min(connector):
+    """The NaN-skipping ops are MPI user-defined ops, of which a process may hold 32 (mpi4py):
+    made per communicator, the sixth communicator's max failed."""
+    comms = [make_communicator("mpi", connector) for _ in range(8)]
+    try:
+        for comm in comms:
+            for dtype in ("float16", "float32", "float64"):
+                for op in ("max", "min"):
+                    got = comm.allreduce(np.full(3, comm.rank, dtype), op)
+                    np.testing.assert_array_equal(got, comm.size - 1 if op == "max" else 0)
+    finally:
+        for comm in comms:
+            comm.close()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", ["sum", "avg"])
 def test_reduce_scatter(reducer, connector, dtype, op):
