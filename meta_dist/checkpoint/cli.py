@@ -99,22 +99,32 @@ def _check_outside_checkpoints(out: Path, checkpoint: Path) -> None:
 
     Beside it (in its checkpoint_dir) are the other checkpoints, saves under way and
     ``latest``; any other file there is no checkpoint's. Links are followed, as the write
-    follows them.
+    follows them; a checkpoint that is a link (to a bigger disk) has its link's folder as well
+    as its target's.
     """
     read, where = checkpoint.resolve(), out.resolve()
-    home = read.parent
-    part = next(iter(where.relative_to(home).parts), "") if where.is_relative_to(home) else ""
+    homes = dict.fromkeys((read.parent, checkpoint.absolute().parent.resolve()))
+    home, what = read.parent, ""
     if where.is_relative_to(read):
         what = f"is inside the checkpoint it reads ({checkpoint})"
-    elif part.startswith((STEP_PREFIX, TMP_PREFIX)):
-        what = f"is inside another checkpoint ({home / part})"
-    elif part == LATEST:
-        what = f"is {home}'s {LATEST} (it names the checkpoint a resume takes)"
     else:
+        home, what = next(((h, w) for h in homes if (w := _among_checkpoints(where, h))),
+                          (home, ""))
+    if not what:
         return
     raise UsageError(f"consolidate: {out} {what}; writing it would damage the checkpoints; "
                      "expected a path outside every checkpoint and latest, e.g. "
                      f"{home / 'model.npz'}")
+
+
+def _among_checkpoints(where: Path, home: Path) -> str:
+    """Say what resolved ``where`` is among checkpoint_dir ``home``'s checkpoints ("": none)."""
+    part = where.relative_to(home).parts[0] if where.is_relative_to(home) and where != home else ""
+    if part.startswith((STEP_PREFIX, TMP_PREFIX)):
+        return f"is inside another checkpoint ({home / part})"
+    if part == LATEST:
+        return f"is {home}'s {LATEST} (it names the checkpoint a resume takes)"
+    return ""
 
 
 def _open_beside(out: Path) -> BinaryIO:

@@ -271,3 +271,16 @@ def test_consolidate_never_writes_into_a_checkpoint(saved, tmp_path, capsys, rea
     assert {p: p.read_bytes() for p in saved.parent.rglob("*") if p.is_file()} == before
     assert older.is_dir()
     assert main(["consolidate", str(paths[read]), str(saved.parent / "model.npz")]) == 0
+
+
+def test_consolidate_guards_a_checkpoint_dir_whose_step_is_a_link(saved, tmp_path, capsys):
+    """A step directory linked to another disk: the checkpoint_dir beside the link keeps its
+    latest (only the link target's folder was looked at, and latest was overwritten)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / saved.name).symlink_to(saved)
+    (home / "latest").write_bytes((saved.parent / "latest").read_bytes())
+    before = (home / "latest").read_bytes()
+    line = one_line_usage_error(capsys, ["consolidate", str(home), str(home / "latest")])
+    assert line.startswith(f"consolidate: {home / 'latest'} is {home}'s latest"), line
+    assert (home / "latest").read_bytes() == before
