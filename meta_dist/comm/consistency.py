@@ -201,7 +201,8 @@ def advised(run: Callable[[], Any], api: str) -> Callable[[], Any]:
             raise RuntimeError(
                 f"{api}: the MPI library failed: {error.Get_error_string().strip()}; with "
                 "META_DIST_CHECK=0 the ranks' calls are not compared before they run, and ranks "
-                "that pass arrays of different sizes or dtypes fail like this: run with "
-                "META_DIST_CHECK=1 to see which ranks differ") from error
+                "that pass arrays of different sizes or dtypes (or, in MPICH, a floating max or "
+                "min against another op) fail like this: run with META_DIST_CHECK=1 to see "
+                "which ranks differ") from error
 
     return run_advised
