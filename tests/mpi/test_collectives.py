@@ -240,6 +240,15 @@ def test_a_given_out_list_is_what_comes_back(comm, kind):
     assert comm.allreduce(inplace, out=inplace) is inplace
     assert comm.broadcast(inplace, out=inplace) is inplace
     assert comm.reduce(inplace, 0, out=inplace) is (inplace if comm.rank == 0 else None)
+    assert comm.reduce(sends, 0, out=whole) is (whole if comm.rank == 0 else None)
+    assert comm.reduce_scatter_async(sends, out=parts).wait() is parts
+    assert comm.allgather_async(mine, out=whole).wait() is whole
+    if comm.size > 1 and comm.rank < 2:
+        if comm.rank == 0:
+            comm.send(kind([np.full(n * m, 7.0), np.full(n * m, 8.0)]), 1)
+        else:
+            assert comm.recv(whole, 0) is whole
+            np.testing.assert_array_equal(np.stack(whole), [[7.0] * n * m, [8.0] * n * m])
     assert type(comm.allreduce(inplace)) is list
 
 
@@ -255,6 +264,10 @@ def test_memmaps_are_numpy_arrays_here(comm, tmp_path):
     np.testing.assert_array_equal(got[1], comm.size * ref)
     plain = x.copy()
     assert comm.allreduce([plain, mapped], out=[plain, mapped])[1] is mapped
+    np.testing.assert_array_equal(plain, ref)
+    mapped[...], plain[...] = x, x
+    comm.allreduce([mapped, plain], out=[mapped, plain])  # a memmap first: unpacked by copies
+    np.testing.assert_array_equal(mapped, ref)
     np.testing.assert_array_equal(plain, ref)
 
 
