@@ -103,13 +103,12 @@ def _check_outside_checkpoints(out: Path, checkpoint: Path) -> None:
     as its target's.
     """
     read, where = checkpoint.resolve(), out.resolve()
-    homes = dict.fromkeys((read.parent, checkpoint.absolute().parent.resolve()))
     home, what = read.parent, ""
     if where.is_relative_to(read):
         what = f"is inside the checkpoint it reads ({checkpoint})"
-    else:
-        home, what = next(((h, w) for h in homes if (w := _among_checkpoints(where, h))),
-                          (home, ""))
+    for folder in (read.parent, checkpoint.absolute().parent.resolve()):
+        if not what:
+            home, what = folder, _among_checkpoints(where, folder)
     if not what:
         return
     raise UsageError(f"consolidate: {out} {what}; writing it would damage the checkpoints; "

@@ -111,10 +111,9 @@ def check_rows(api: str, sends: list[Any], size: int) -> None:
     check_axis0(api, sends)
     for s in sends:
         if s.shape[0] % size:
-            rows = s.shape[0]
             raise ValueError(
-                f"{api}: send has {rows} rows along axis 0 (shape {s.shape}), size is {size}; "
-                f"expected a multiple of {size}; pad axis 0 "
+                f"{api}: send has {s.shape[0]} rows along axis 0 (shape {s.shape}), size is "
+                f"{size}; expected a multiple of {size}; pad axis 0 "
                 "(meta_dist.zero.partition.padded_size) or use allreduce")
 
 

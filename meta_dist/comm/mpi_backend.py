@@ -43,8 +43,9 @@ UFUNCS = {"sum": np.add, "avg": np.add, "max": np.fmax, "min": np.fmin, "prod": 
 NUMPY_REDUCED = frozenset(d.char for d in DTYPES if d.name in ("uint8", "bfloat16"))
 # The libraries' MPI_MAX and MPI_MIN on floats keep or drop a NaN by which rank holds it (and
 # MPICH's by where in the array it lies): the library calls get numpy's fmax and fmin as
-# user-defined ops instead. The op never decides which calls are made, so ranks that pass
-# different ops with META_DIST_CHECK=0 still meet in the same calls.
+# user-defined ops instead. meta_dist's calls never depend on the op; MPICH's algorithm does
+# (a user-defined op takes another), so with META_DIST_CHECK=0 ranks passing a floating max
+# against a sum fail inside MPICH, as sizes that differ do.
 NAN_SKIPPING_OPS = ("max", "min")
 _NAN_SKIPPING: dict[tuple[str, np.dtype], MPI.Op] = {}  # see nan_skipping_op
 _NAN_SKIPPING_LOCK = threading.Lock()
