@@ -112,6 +112,18 @@ def save_shard(directory: Path, rank: int, arrays: dict[str, list[np.ndarray]]) 
     return sums
 
 
+def clear(path: Path) -> None:
+    """Remove what is at ``path``, if anything: a save cut off earlier left it (any world size).
+
+    Rank 0 calls it before the ranks write a save's temporary directory, so that the
+    checkpoint holds only the files its manifest names, and a file in the way is no error.
+    """
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.is_symlink() or path.exists():
+        path.unlink()
+
+
 def save_buffers(directory: Path, buffers: dict[str, np.ndarray]) -> dict[str, str]:
     """Write the model's buffers (BatchNorm's running statistics) as ``buffers.npz``.
 

@@ -31,6 +31,9 @@ def save(trainer: Trainer, path: str | Path) -> Path:
     context, stage = trainer.context, trainer.stage
     root = Path(path)
     tmp = root / f"{checkpoint.TMP_PREFIX}{trainer.steps_done:08d}"
+    if context.rank == context.root_rank:
+        checkpoint.clear(tmp)
+    context.connector.barrier()  # no rank writes into what rank 0 is still removing
     sums = checkpoint.save_shard(tmp, context.rank, stage.export_shard())
     buffers = model_buffers(trainer.model)
     if buffers and context.rank == context.root_rank:  # rank 0's, as DDP keeps

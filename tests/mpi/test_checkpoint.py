@@ -199,6 +199,31 @@ def test_consolidate_writes_the_live_parameters(world, shared_dir, tmp_path):
     assert "step 6" in checkpoint.info(saved)
 
 
+@pytest.mark.parametrize("left", ["directory", "file"])
+def test_what_a_cut_off_save_left_is_replaced(world, shared_dir, left):
+    """A save of step 6 killed midway by a job of 8 ranks left rank 7's file in .tmp-step-6
+    (it was committed into the new checkpoint, which then held a file no manifest names); a
+    file of that name stopped the save with a FileExistsError traceback."""
+    x, y = data()
+    t = trainer(world, 1)
+    t.fit(x, y)
+    tmp = Path(shared_dir) / f"{checkpoint.TMP_PREFIX}00000006"
+    if world.rank == 0:
+        if left == "directory":
+            tmp.mkdir()
+            (tmp / "rank00007.params.npy").write_bytes(b"cut off")
+        else:
+            tmp.write_bytes(b"in the way")
+    world.connector.barrier()
+    saved = t.save_checkpoint(shared_dir)
+    manifest = json.loads((saved / checkpoint.MANIFEST).read_text())
+    assert sorted(p.name for p in saved.iterdir()) == sorted(
+        [checkpoint.MANIFEST, *manifest["checksums"]])
+    assert not tmp.exists()
+    for name, value in t.parameters().items():
+        np.testing.assert_array_equal(checkpoint.Reader(shared_dir).whole("params", name), value)
+
+
 def test_batchnorm_statistics_resume_as_rank_0_saved_them(world, shared_dir):
     """Running statistics are per rank (each sees its own batches); the checkpoint keeps rank
     0's, as DDP's broadcast_buffers does, and a resumed run starts every rank from them."""
