@@ -196,7 +196,7 @@ def resolve(path: str | Path) -> Path:
     if not path.is_dir():
         raise CheckpointError(f"checkpoint: {path} does not exist; expected a checkpoint "
                               f"directory ({STEP_PREFIX}N) or a checkpoint_dir holding some")
-    named = (path / LATEST).read_text().strip() if (path / LATEST).is_file() else ""
+    named = _latest_name(path)
     if named and _is_complete(path / named):
         return path / named
     complete = sorted((p for p in path.iterdir() if _is_complete(p)), key=_save_number)
@@ -206,6 +206,14 @@ def resolve(path: str | Path) -> Path:
             f"a {MANIFEST}); expected one written by a finished save: a save that was cut off "
             f"leaves only {TMP_PREFIX}N, which is never used")
     return complete[-1]
+
+
+def _latest_name(directory: Path) -> str:
+    """Return the checkpoint ``latest`` names ("" if none, or if it is damaged: not text)."""
+    try:
+        return (directory / LATEST).read_text().strip() if (directory / LATEST).is_file() else ""
+    except UnicodeDecodeError:  # then the newest complete checkpoint is found by its manifest
+        return ""
 
 
 def _is_complete(path: Path) -> bool:

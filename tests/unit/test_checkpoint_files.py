@@ -98,3 +98,12 @@ def test_replacing_a_step_keeps_the_old_one_until_the_new_one_is_in_place(tmp_pa
     assert checkpoint.resolve(tmp_path) == final
     assert json.loads((final / checkpoint.MANIFEST).read_text())["marker"] == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", final.name]
+
+
+def test_a_damaged_latest_falls_back_to_the_newest_complete_checkpoint(tmp_path):
+    """``latest`` that is not text (a disk fault) raised UnicodeDecodeError; like a latest
+    naming a checkpoint that is gone, it now leaves the choice to the save order."""
+    save(tmp_path, 4, keep_last=3)
+    final = save(tmp_path, 6, keep_last=3)
+    (tmp_path / "latest").write_bytes(b"\xff\xfe step")
+    assert checkpoint.resolve(tmp_path) == final
