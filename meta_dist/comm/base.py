@@ -39,8 +39,9 @@ class Communicator(ABC):
     be the input itself, which makes the operation in place. Inputs may be non-contiguous (they
     are copied); ``out`` must be contiguous and writeable. Dtypes: float16, float32, float64,
     int32, int64, uint8 (and bfloat16 where ml_dtypes is installed). Reduction ops: "sum",
-    "avg" (floating dtypes: the sum divided by size once), "max", "min" (they skip NaN, as
-    NCCL's do and numpy's fmax: NaN only where every rank has NaN), "prod".
+    "avg" (floating dtypes: the sum divided by size once; float16 divides each rank's values
+    before the sum, as ncclAvg does, so it overflows only where the mean would), "max", "min"
+    (they skip NaN, as NCCL's do and numpy's fmax: NaN only where every rank has NaN), "prod".
 
     Before each collective the ranks compare a fingerprint of (operation, op, root, dtype,
     shapes) with one small allreduce on the host; a difference raises ValueError on every rank

@@ -49,6 +49,10 @@ NUMPY_REDUCED = frozenset(d.char for d in DTYPES if d.name in ("uint8", "bfloat1
 NAN_SKIPPING_OPS = ("max", "min")
 _NAN_SKIPPING: dict[tuple[str, np.dtype], MPI.Op] = {}  # see nan_skipping_op
 _NAN_SKIPPING_LOCK = threading.Lock()
+# avg of float16 divides each contribution by size before the sum, as ncclAvg does: a sum of
+# size values overflows float16's 65504 where their mean does not (fp16 gradients under a loss
+# scale sit close to it). Wider floats sum first and divide once (bfloat16 has float32's range).
+PRESCALED_AVG = frozenset({np.dtype(np.float16).char})
 PAIRWISE_MIN_BYTES = {"allreduce": 16 * 2**20, "reduce_scatter": 128 * 1024}
 SEGMENT_BYTES = 512 * 1024
 # Tags: the pairwise exchange uses Sendrecv on the communicator that also carries the user's
@@ -105,6 +109,7 @@ class MpiCommunicator(Communicator):
     # ---------------------------------------------------------------- primitives
 
     def _allreduce(self, send: Any, recv: Any, op: str) -> None:
+        send = self._prescaled(send, op)
         if self.size == 1 or self._library_reduces(send, "allreduce"):
             if recv is not send:  # the standard asks every rank for MPI_IN_PLACE, or none
                 recv[...] = send
@@ -118,6 +123,7 @@ class MpiCommunicator(Communicator):
         self._comm.Allgatherv(MPI.IN_PLACE, [wire, counts, bounds[:-1], _mpi_type(wire)])
 
     def _reduce_scatter(self, send: Any, recv: Any, op: str) -> None:
+        send = self._prescaled(send, op)
         in_place = _overlap(send, recv)  # only as this rank's rows (checks.check_alias)
         if self.size == 1:
             if not in_place:
@@ -143,6 +149,7 @@ class MpiCommunicator(Communicator):
             self._comm.Bcast(_wire(buf), root=root)
 
     def _reduce(self, send: Any, recv: Any, op: str, root: int) -> None:
+        send = self._prescaled(send, op)
         if self.size > 1 and send.dtype.char in NUMPY_REDUCED:  # rare: no faster way needed
             total = array_module(send).empty_like(send)
             self._allreduce(send, total, op)
@@ -168,6 +175,21 @@ class MpiCommunicator(Communicator):
     def _close_backend(self) -> None:
         self._scratch.clear()
         self._comm.Free()
+
+    def _prescaled(self, send: Any, op: str) -> Any:
+        """Return a new ``send / size`` where avg divides before the sum (``PRESCALED_AVG``).
+
+        A new array: ``send`` stays untouched, and an in-place call becomes an out-of-place
+        one into the caller's buffer. Each element is rounded once (float16 division).
+        """
+        if op != "avg" or self.size == 1 or send.dtype.char not in PRESCALED_AVG:
+            return send
+        return send / send.dtype.type(self.size)
+
+    def _average(self, flat: Any, op: str) -> None:
+        """See ``Communicator._average``; float16's avg was divided before the sum."""
+        if flat.dtype.char not in PRESCALED_AVG:
+            super()._average(flat, op)
 
     # ---------------------------------------------------------------- the pairwise reduction
 

@@ -129,6 +129,28 @@ def test_max_and_min_skip_nan_whichever_rank_holds_it(reducer, connector, dtype,
             assert same_on_every_rank(connector, got)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_float16_avg_fits_where_the_mean_fits(reducer, connector):
+    """avg of float16 values near its largest (65504) is their mean, as ncclAvg gives: the
+    sum of the ranks' values overflowed to inf first (fp16 gradients under a loss scale, so
+    N ranks skipped steps that one process trained)."""
+    comm = reducer
+    n = 1001
+    inputs = [np.full(n, 40000 + 8 * r, np.float16) for r in range(comm.size)]
+    ref = reference(inputs, "avg")
+    mine = inputs[comm.rank].copy()
+    assert_matches(comm.allreduce(mine, "avg"), ref, comm.size)
+    np.testing.assert_array_equal(mine, inputs[comm.rank])  # out of place: input untouched
+    assert_matches(comm.allreduce(mine, "avg", out=mine), ref, comm.size)
+    rows = np.concatenate([inputs[comm.rank]] * comm.size)
+    assert_matches(comm.reduce_scatter(rows, "avg"), ref, comm.size)
+    np.testing.assert_array_equal(rows, np.concatenate([inputs[comm.rank]] * comm.size))
+    at_root = comm.reduce(inputs[comm.rank], 0, "avg")
+    if comm.rank == 0:
+        assert_matches(at_root, ref, comm.size)
+    assert same_on_every_rank(connector, mine)
+
+
 def test_many_communicators_take_max_and_min(connector):
     """The NaN-skipping ops are MPI user-defined ops, of which a process may hold 32 (mpi4py):
     made per communicator, the sixth communicator's max failed."""

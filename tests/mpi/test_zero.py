@@ -739,6 +739,22 @@ def test_fp16_trains_at_the_initial_scale(contexts, loss_scale):
     assert (trainer.stage.full_params().astype(np.float32) != before).any()
 
 
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_fp16_ranks_overflow_no_sooner_than_one_process(contexts, level):
+    """A fixed loss scale at which one process's float16 gradients fit (the largest, scaled,
+    is about 44,000 of 65,504 here) trains without a skip on N ranks too: the average of the
+    ranks' gradients no longer sums N scaled gradients in float16 first, which overflowed
+    from 2 ranks up (every step skipped, then NonFiniteError)."""
+    world, alone = contexts
+    x, y, loss_fn = data("deep", "float32")
+    for context in (alone, world):
+        config = half_config(level, "fp16", n_epoch=1, loss_scale=200000.0)
+        trainer = trainer_on(context, "deep", config, "float32", loss_fn)
+        trainer.fit(x, y)
+        assert trainer.guard.skipped == 0, f"{context.size} rank(s)"
+        assert trainer.stage.optimizer.step_count == STEPS
+
+
 @pytest.mark.mpi(min_size=2)
 def test_fp16_loss_that_stays_non_finite_stops_like_fp32(contexts):
     """With the loss scale fixed (or at its floor), NaNs in the last rank's input at steps 2
