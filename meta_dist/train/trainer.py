@@ -124,8 +124,9 @@ class Trainer:
 
         The part is split into ``grad_accum_steps`` micro-batches: forward and backward for
         each (their gradients add up; buckets are reduced once, with the last), then one
-        update. Under fp16 the loss gradient is multiplied by the loss scale and the update
-        divides it out again.
+        update. Under fp16 each micro-batch's loss gradient is multiplied by the loss scale
+        over the micro-batches, so their float16 sum is the scaled mean (as one batch's), and
+        the update divides the scale out again.
 
         Raises:
             NonFiniteError: on every rank when the loss or the gradients were not finite
@@ -142,13 +143,17 @@ class Trainer:
         # the guard reports non-finite numbers itself (fp16 overflows are routine): no warnings
         quiet = (np.errstate(over="ignore", invalid="ignore") if self.guard.measures
                  else nullcontext())
+        # fp16 takes the mean over micro-batches before float16 holds the sum: a sum of k
+        # scaled gradients overflowed where one batch's did not (as DeepSpeed divides the loss
+        # by its accumulation steps); otherwise the update divides once
+        fold = self.scaler is not None
         with quiet:
-            self._micro_batches(x, y, k, n, scale, total)
+            self._micro_batches(x, y, k, n, scale / k if fold else 1.0, total)
         loss = total / k
         self.guard.watch(loss)
         trace = self.trace
         start = trace.begin() if trace is not None else 0.0
-        self.stage.step(self.guard, grad_scale=1.0 / (scale * k))
+        self.stage.step(self.guard, grad_scale=1.0 / scale if fold else 1.0 / k)
         if trace is not None:
             trace.end("step", "phase", start)
         self.steps_done += 1

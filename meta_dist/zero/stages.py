@@ -8,8 +8,9 @@ optimizer's decay spans and to checkpoints. Per optimizer step the trainer runs
 ``begin_micro`` and backward once per micro-batch (the stage's hooks handle each bucket as soon
 as backward has written all of it: accumulate it locally, or on the last micro-batch reduce
 it), then ``step()``. Gradients are averaged across ranks in exactly one place: the
-collectives' op "avg" (``Communicator._average``); over micro-batches, loss scale and clipping
-in one factor handed to the optimizer. The trainer never branches on the level.
+collectives' op "avg" (``Communicator._average``); over micro-batches (fp16: in the loss
+gradient, so float16 never holds their sum), loss scale and clipping in one factor handed to
+the optimizer. The trainer never branches on the level.
 
 Bytes held per rank, Ψ parameters, N ranks, Adam: fp32 (4Ψ params, 4Ψ grads, 8Ψ moments):
 level 0: 16Ψ;  level 1: 8Ψ + 8Ψ/N;  level 2: 4Ψ + 12Ψ/N. Mixed precision (2Ψ working params,
@@ -225,8 +226,8 @@ class ZeroStage(OwnedLayout):
         Args:
             guard: a ``train.guard.StepGuard``: sees the reduced gradients first, may veto
                 the update (on every rank alike) or shrink it (clipping).
-            grad_scale: multiplies the reduced gradients before the update (1 / (loss scale x
-                micro-batches)).
+            grad_scale: multiplies the reduced gradients before the update (1 / micro-batches,
+                or under fp16 1 / loss scale).
         """
         self.end_micro()
         self._finish_reduction()

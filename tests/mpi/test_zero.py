@@ -755,6 +755,24 @@ def test_fp16_ranks_overflow_no_sooner_than_one_process(contexts, level):
         assert trainer.stage.optimizer.step_count == STEPS
 
 
+def test_fp16_micro_batches_overflow_no_sooner_than_one_batch(contexts):
+    """The same fixed loss scale with the batch cut into 3 micro-batches: float16 holds their
+    scaled mean, as one batch's gradient (PyTorch's and DeepSpeed's loss / accumulation
+    steps), not their sum, which was 3 times larger and overflowed (every step skipped, then
+    NonFiniteError). The skip-free run trains as the one without accumulation does."""
+    world, _ = contexts
+    x, y, loss_fn = data("deep", "float32")
+    params = []
+    for micro in (1, 3):
+        config = half_config(2, "fp16", n_epoch=1, loss_scale=200000.0,
+                             grad_accum_steps=micro)
+        trainer = trainer_on(world, "deep", config, "float32", loss_fn)
+        trainer.fit(x, y)
+        assert trainer.guard.skipped == 0, f"{micro} micro-batches"
+        params.append(trainer.stage.full_params().astype(np.float32))
+    np.testing.assert_allclose(params[1], params[0], atol=2e-3)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_fp16_loss_that_stays_non_finite_stops_like_fp32(contexts):
     """With the loss scale fixed (or at its floor), NaNs in the last rank's input at steps 2
