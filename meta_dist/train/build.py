@@ -103,7 +103,9 @@ def make_stage(model: Sequential, config: Config, context: dist.DistContext,
     stage_cls = STAGES[dcfg.zero_opt_level]
     dtype = np.dtype(tcfg.dtype)
     work_dtype = working_dtype(tcfg.precision, dtype)
-    cap = max(1, int(dcfg.bucket_size_mb * 2**20) // work_dtype.itemsize)
+    # bucket_size_mb is any finite float > 0: from about 1.7e302 MiB its bytes are inf, which
+    # int() refuses, and no bucket is larger than the model anyway
+    cap = max(1, int(min(dcfg.bucket_size_mb * 2**20, 2.0**62)) // work_dtype.itemsize)
     size = stage_cls.bucket_numel(cap, sum(model.layer_numels()), overlap)
     flat = FlatModel(model, size, context.size, xp, work_dtype,
                      master_dtype=dtype, isolate_cut_layers=stage_cls.gathers_params,

@@ -207,6 +207,13 @@ def test_deep_model_many_buckets(contexts, level, overlap):
     assert len(dist.stage.flat.buckets) >= 4
 
 
+@pytest.mark.parametrize("level", [0, 3])
+def test_a_bucket_size_past_any_model_builds(contexts, level):
+    """bucket_size_mb takes any finite value > 0; 1e308 MiB is inf bytes, which failed with
+    OverflowError (cannot convert float infinity to integer) building the stage."""
+    run_parity(contexts, level, "adam", "deep", "float64", 1e-9, 1e-12, bucket_mb=1e308)
+
+
 @pytest.mark.parametrize("level", [0, 1, 2, 3])
 def test_level_matches_single_process_float32(contexts, level):
     run_parity(contexts, level, "adam", "classifier", "float32", 2e-5, 2e-6)
