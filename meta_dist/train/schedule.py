@@ -1,8 +1,10 @@
 """Learning-rate schedules: constant, or cosine decay after a linear warmup.
 
 Leaf module: pure maths; the trainer sets the optimizer's ``lr`` from it before each step.
-Cosine decay as in Loshchilov & Hutter, arXiv 1608.03983 (without restarts), to zero at the
-last step; the warmup rises linearly so that step 0 already trains (nanoGPT's form).
+Cosine decay as in Loshchilov & Hutter, arXiv 1608.03983 (without restarts), toward zero, which
+it would reach one step after the last (PyTorch's CosineAnnealingLR with T_max the steps after
+warmup: the last step still trains); the warmup rises linearly so that step 0 already trains
+(nanoGPT's form).
 """
 
 from __future__ import annotations
