@@ -8,6 +8,7 @@ meta_dist.watchdog; cupy only inside functions, so this module imports where cup
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -168,6 +169,7 @@ class NcclCommunicator(Communicator):
         # when it was enqueued), oldest first
         self._in_flight: deque[tuple[Any, tuple[Any, ...], str, int | None, float]] = deque()
         self._aborted = False
+        self._probe_thread: int | None = None  # the thread _oldest_unfinished made GPU current on
         watchdog = self._threads.watchdog
         if watchdog is not None:
             watchdog.probes.append(self._oldest_unfinished)
@@ -304,10 +306,20 @@ class NcclCommunicator(Communicator):
             pause = min(2 * pause, 1e-3)
 
     def _oldest_unfinished(self) -> tuple[str, int | None, float, Any] | None:
-        """The watchdog's probe: NCCL's asynchronous error, else the oldest unfinished call."""
+        """The watchdog's probe: NCCL's asynchronous error, else the oldest unfinished call.
+
+        Runs on the watchdog's thread, which makes this rank's GPU current first: a thread
+        with no device set that queries an event gets device 0's primary context (CUDA
+        runtime API, "Interactions with the CUDA Driver API"), hundreds of MiB of GPU 0 for
+        every rank of a node (torchcomms PR #777). ``use()``, not ``with``: leaving the block
+        would set device 0 again, and cudaSetDevice initializes its context too.
+        """
         comm = self._comm
         if comm is None or self._aborted:
             return None
+        if self._probe_thread != threading.get_ident():
+            self._cupy.cuda.Device(self.device).use()
+            self._probe_thread = threading.get_ident()
         try:
             comm.check_async_error()
         except Exception as error:  # NcclError, or KeyError for statuses CuPy cannot name

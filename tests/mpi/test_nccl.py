@@ -372,6 +372,36 @@ def test_close_with_another_gpu_current(connector, gpu):
 
 @pytest.mark.gpu
 @pytest.mark.mpi(min_size=2)
+def test_meta_dist_threads_touch_only_the_ranks_gpu(connector, gpu):
+    """meta_dist's own threads (communication, watchdog) make CUDA calls on the rank's GPU
+    only. A thread that queries an event with no device set gets device 0's primary context
+    (CUDA runtime API, "Interactions with the CUDA Driver API"): the watchdog, polling NCCL's
+    events, put one of every rank on GPU 0, hundreds of MiB each (torchcomms PR #777 saw 3.7
+    GiB on 8 H100s, and rank 0 ran out of memory). Only the stand-in says which thread made
+    which context; on a real GPU this skips."""
+    if not getattr(gpu, "__standin__", False):
+        pytest.skip("which thread made a CUDA context is known only on the stand-in")
+    from meta_dist.watchdog import POLL_S
+
+    comm = make_communicator("nccl", connector, stall_timeout=60.0)
+    try:
+        x = gpu.ones(1000, gpu.float32)
+        handle = comm.allreduce_async(x, out=x)
+        comm.allreduce(x, out=x)
+        handle.wait()
+        time.sleep(3 * POLL_S)  # the watchdog polls the last call's event
+        comm.barrier()
+    finally:
+        comm.close()
+    foreign = {device: [t for t in threads if t.startswith("meta_dist-")]
+               for device, threads in gpu._engine.contexts().items() if device != comm.device}
+    assert not any(foreign.values()), (
+        f"rank {comm.rank} (GPU {comm.device}): meta_dist threads made CUDA contexts on other "
+        f"GPUs: {foreign}")
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi(min_size=2)
 def test_a_blocking_send_runs_after_the_async_collectives_before_it(ncomm, gpu):
     """NCCL takes one thread at a time per communicator and the ranks' calls in one order: a
     blocking send or recv made while an asynchronous collective is queued runs after it. It

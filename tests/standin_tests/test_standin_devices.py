@@ -79,6 +79,32 @@ def test_device_selection_is_per_thread(cupy, knobs):
     assert cupy.cuda.Device(1) == cupy.cuda.Device(1) and repr(ghost) == "<CUDA Device 7>"
 
 
+def test_primary_contexts_follow_each_threads_device(cupy, knobs):
+    """A thread with no device set that makes a CUDA call (an event query) gets device 0's
+    primary context; cudaSetDevice makes the chosen device's current (and initializes it)
+    ("Interactions with the CUDA Driver API", CUDA runtime API; cudaSetDevice's notes)."""
+    knobs(META_DIST_STANDIN_DEVICES=2)
+    with cupy.cuda.Device(1):
+        event = cupy.cuda.Stream(non_blocking=True).record(cupy.cuda.Event())
+
+    def unset() -> None:
+        event.done  # noqa: B018 (cudaEventQuery)
+
+    def chosen() -> None:
+        cupy.cuda.Device(1).use()
+        event.done  # noqa: B018
+
+    for name, target in (("standin-unset", unset), ("standin-chosen", chosen)):
+        worker = threading.Thread(target=target, name=name)
+        worker.start()
+        worker.join()
+    made = cupy._engine.contexts()
+    assert "standin-unset: a CUDA call with no device set" in made[0]
+    assert "standin-chosen: cudaSetDevice" in made[1]
+    assert not any(t.startswith("standin-chosen") for t in made[0])
+    assert not any(t.startswith("standin-unset") for t in made[1])
+
+
 def test_arrays_live_on_the_current_device(cupy, knobs):
     """CuPy allocates on the current device; a kernel with an array on another device and no
     peer access raises ValueError (_check_peer_access); cupy.copy / cupy.asarray copy across

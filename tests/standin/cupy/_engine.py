@@ -11,6 +11,13 @@ https://docs.nvidia.com/cuda/cuda-runtime-api/stream-sync-behavior.html).
 pool; that runs at the next stand-in call, never in a finalizer (which may fire in any thread,
 even one holding LOCK).
 
+Primary contexts: CUDA makes a device's primary context current to a host thread at
+``cudaSetDevice`` (which initializes it), or, for a thread with no context current, at its first
+runtime call that needs one: that thread's current device, 0 unless set ("Interactions with
+the CUDA Driver API", CUDA runtime API; cudaSetDevice's notes). Each costs hundreds of MiB of
+that GPU (torchcomms PR #777: a watchdog thread querying events without cudaSetDevice put a
+context of every rank on GPU 0). ``contexts()`` says which threads did so on which device.
+
 Race detector: each queue keeps a vector clock, the highest op of every other queue that is
 known to run before its next op (through event waits, the legacy stream's rule, or the host
 having seen that op finish: stream/event synchronize, ``done`` returning True). Each device
@@ -48,6 +55,7 @@ _HAZARDS: list[str] = []  # frees another stream may still use, raised at the ne
 _QUEUE_IDS = itertools.count(1)
 _DEVICES: dict[int, DeviceState] = {}
 DROPPED_HOOKS: list[Callable[[], None]] = []  # _memory registers its deferred-free processing
+_CONTEXTS: dict[int, list[str]] = {}  # device -> "thread: how" of each thread it became current to
 
 
 @dataclass(eq=False)
@@ -179,9 +187,35 @@ def current_device_id() -> int:
 
 
 def set_current_device(index: int) -> None:
-    """Make device ``index`` current for this host thread (validates it)."""
+    """Make device ``index`` current for this host thread (validates it).
+
+    As cudaSetDevice, it also makes (and initializes) the device's primary context current to
+    the thread.
+    """
     device(index)
     _TLS.device = index
+    _context_current(index, "cudaSetDevice")
+
+
+def _context_current(index: int, how: str) -> None:
+    if getattr(_TLS, "context", None) == index:
+        return
+    _TLS.context = index
+    entry = f"{threading.current_thread().name}: {how}"
+    with LOCK:
+        threads = _CONTEXTS.setdefault(index, [])
+        if entry not in threads:
+            threads.append(entry)
+
+
+def contexts() -> dict[int, list[str]]:
+    """Return, per device, the host threads its primary context was made current to, and how.
+
+    Stand-in only: CUDA keeps one primary context per device per process, and a thread that
+    makes a runtime call with no device set creates one on device 0.
+    """
+    with LOCK:
+        return {index: list(threads) for index, threads in _CONTEXTS.items()}
 
 
 def current_device() -> DeviceState:
@@ -202,11 +236,17 @@ def ptds_queue(state: DeviceState) -> Queue:
 
 
 def check_api_allowed() -> None:
-    """Raise if called from a stream callback (CUDA forbids CUDA calls in host functions)."""
+    """Raise if called from a stream callback (CUDA forbids CUDA calls in host functions).
+
+    Every runtime call that needs a context comes here: in a thread with none current, CUDA
+    makes the current device's (device 0 unless set) primary context current and initializes it.
+    """
     if getattr(_TLS, "in_host_func", False):
         raise cuda_error(NOT_PERMITTED, "a host function launched on a stream called a CUDA "
                                         "API; cudaLaunchHostFunc: 'must not make any CUDA "
                                         "API calls'")
+    if getattr(_TLS, "context", None) is None and not in_worker():
+        _context_current(current_device_id(), "a CUDA call with no device set")
 
 
 def raise_pending(state: DeviceState | None = None) -> None:
