@@ -56,6 +56,11 @@ QUERY, STATE, REPORT, REPORTING, EXITED = 11, 12, 13, 14, 15  # tags on the side
 EXIT_GRACE_S = 2.0  # an unnumbered wait on a rank that ended is hopeless this much later
 ALL = "all"  # what an unnumbered collective (the connector's) needs: every rank
 STACK_FRAMES = 4  # innermost frames of a not-arrived rank's main thread shown in the report
+# how long the before_abort hooks may take before the job is ended without them: ncclCommAbort
+# was seen never to return (NVIDIA/nccl#992, #549), and NCCL promises a safe abort only for
+# non-blocking communicators with no other thread inside NCCL (usage/communicators.html,
+# "Fault Tolerance"); CuPy drives blocking ones, and the main thread may be inside a call
+ABORT_HOOKS_S = 5.0
 
 _thread_id, _now = threading.get_ident, time.monotonic  # on the common path: no lookups
 _running: weakref.WeakSet[StallWatchdog] = weakref.WeakSet()
@@ -333,10 +338,30 @@ class StallWatchdog:
         sys.stderr.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         failfast.flush_output()  # before the hooks: an aborted NCCL lets blocked threads run on
-        for hook in self.before_abort:
-            with contextlib.suppress(Exception):  # ending the job matters more
-                hook()
+        if not _bounded(self.before_abort, ABORT_HOOKS_S):
+            sys.stderr.write(f"[rank {self.rank}] aborting the NCCL communicator did not return "
+                             f"within {ABORT_HOOKS_S:g} s; ending the job without it\n")
+            sys.stderr.flush()
         failfast.end_job(1, grace=False)
+
+
+def _bounded(hooks: list[Callable[[], None]], seconds: float) -> bool:
+    """Run ``hooks`` in order on a thread of their own; return False if they outlast ``seconds``.
+
+    Failures are ignored: ending the job matters more.
+    """
+    if not hooks:
+        return True
+    finished = threading.Event()
+
+    def run() -> None:
+        for hook in hooks:
+            with contextlib.suppress(Exception):
+                hook()
+        finished.set()
+
+    threading.Thread(target=run, name="meta_dist-abort", daemon=True).start()
+    return finished.wait(seconds)
 
 
 def _stop_running() -> None:

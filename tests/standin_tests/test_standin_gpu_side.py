@@ -72,6 +72,21 @@ def test_stalled_nccl_ends_the_job_on_standin(mode, extra, said, tmp_path):
     assert took < STALL_TIMEOUT_S + 10, f"took {took:.1f} s\n{result}"
 
 
+def test_stalled_nccl_ends_the_job_when_ncclcommabort_hangs(tmp_path):
+    """ncclCommAbort has been seen never to return (NVIDIA/nccl#992, #549), and NCCL promises a
+    safe abort only on non-blocking communicators, which CuPy cannot drive: the watchdog ran
+    the abort before MPI_Abort, so a stuck abort left the job hanging instead of ending it."""
+    started = time.monotonic()
+    result = run(2, ["tests/scripts/nccl_stall.py", "stall"], timeout=60,
+                 env=standin_job_env(tmp_path, META_DIST_STANDIN_NCCL_ABORT_HANG="1"))
+    took = time.monotonic() - started
+    assert result.returncode != 0 and not result.timed_out, str(result)
+    assert re.search(r"\[rank 0\] nccl allreduce #2 \(cupy float32 \(16,\)\): waited 3 s",
+                     result.output), str(result)
+    assert "aborting the NCCL communicator did not return within 5 s" in result.output
+    assert took < STALL_TIMEOUT_S + 15, f"took {took:.1f} s\n{result}"
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_train_gpt_runs_on_the_gpu_on_standin(precision, tmp_path):
     """scripts/distributed/train_gpt.py on CuPy arrays and NCCL, as a real H200 first ran it:

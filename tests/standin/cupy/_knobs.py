@@ -36,6 +36,10 @@ NCCL model:
 - ``META_DIST_STANDIN_NCCL_ASYNC_ERROR`` ("R:N:S[,...]"): the N-th call of rank R never
   completes and ``check_async_error()`` then reports NCCL status S (7 and 8 raise KeyError,
   CuPy's bug).
+- ``META_DIST_STANDIN_NCCL_ABORT_HANG=1``: ``abort()`` (ncclCommAbort) never returns, as it
+  was seen to hang, stuck in commFree or cudaFree (NVIDIA/nccl#992 on 2.18.1, #549); NCCL's
+  fault-tolerance notes (usage/communicators.html) allow a safe abort only on non-blocking
+  communicators with no other thread inside NCCL, and CuPy can only drive blocking ones.
 - ``META_DIST_STANDIN_NCCL_INIT_TIMEOUT`` (seconds, default none): give up an init whose peers
   never arrive with NcclError(2) instead of blocking forever as NCCL does.
 - ``META_DIST_STANDIN_RENDEZVOUS`` (directory, default ``$TMPDIR/meta_dist_standin_nccl``):
@@ -61,6 +65,7 @@ ENV_NCCL_VERSION = "META_DIST_STANDIN_NCCL_VERSION"
 ENV_NCCL_HANG = "META_DIST_STANDIN_NCCL_HANG"
 ENV_NCCL_ASYNC_ERROR = "META_DIST_STANDIN_NCCL_ASYNC_ERROR"
 ENV_NCCL_INIT_TIMEOUT = "META_DIST_STANDIN_NCCL_INIT_TIMEOUT"
+ENV_NCCL_ABORT_HANG = "META_DIST_STANDIN_NCCL_ABORT_HANG"
 ENV_RENDEZVOUS = "META_DIST_STANDIN_RENDEZVOUS"
 ENV_INSTALL = "META_DIST_STANDIN"
 
@@ -201,6 +206,11 @@ def nccl_hangs() -> list[tuple[int, int]]:
 def nccl_async_errors() -> list[tuple[int, int, int]]:
     """Return the injected asynchronous errors as (rank, n-th call, status) triples."""
     return [(r, n, s) for r, n, s in _faults(ENV_NCCL_ASYNC_ERROR, 3)]
+
+
+def nccl_abort_hangs() -> bool:
+    """Return True if ncclCommAbort is to never return (read at each abort)."""
+    return os.environ.get(ENV_NCCL_ABORT_HANG, "").strip() == "1"
 
 
 def nccl_init_timeout() -> float | None:

@@ -295,10 +295,15 @@ class NcclCommunicator:
             raise NcclError(self._async_status)
 
     def abort(self) -> None:
-        """Stop every queued call of this communicator (ncclCommAbort); later calls fail."""
+        """Stop every queued call of this communicator (ncclCommAbort); later calls fail.
+
+        With META_DIST_STANDIN_NCCL_ABORT_HANG=1 it then never returns (see ``_knobs``).
+        """
         if self._handle:
             self._aborted.set()
             self._handle = 0
+            if _knobs.nccl_abort_hangs():
+                threading.Event().wait()  # stuck inside ncclCommAbort
 
     def destroy(self) -> None:
         """Wait for this communicator's queued calls, then free it (ncclCommDestroy)."""
