@@ -103,9 +103,12 @@ def _doing(rank: int, state: dict | None, exited: int | None, answer_s: float) -
     """
     if exited is not None and state is None:
         after = f"after collective #{exited}" if exited else "before any collective"
-        return (f"    rank {rank}: its program ended (no error) {after}, with this communicator "
-                "open: the ranks must make matching calls (an uneven last batch, a "
-                "rank-dependent loop or an early return breaks that)")
+        # "no error" would be a guess: a bare raise SystemExit(n) hides n from exit handlers
+        return (f"    rank {rank}: its program ended {after} with no error meta_dist could see "
+                "(a clean end, or `raise SystemExit(n)`, whose n it cannot see: sys.exit(n) "
+                "ends the job with n), with this communicator open: the ranks must make "
+                "matching calls (an uneven last batch, a rank-dependent loop or an early return "
+                "breaks that)")
     if state is None:
         return (f"    rank {rank}: not responding (no answer in {answer_s:.0f} s: its process "
                 "is gone or stopped, or stuck in native code that holds Python's GIL)")

@@ -45,6 +45,19 @@ def test_a_rank_that_leaves_ends_the_job_with_its_code(when, how, code):
     assert expected in result.output, str(result)
 
 
+def test_a_bare_raise_system_exit_is_not_called_no_error():
+    """Rank 1 runs `raise SystemExit(3)` (as `raise SystemExit(main())` does) while the others
+    wait in an allreduce. No exit handler can see its code (sys.exit's can), so the report must
+    not say its program ended "(no error)", as it did, but name that cause and sys.exit."""
+    result = run(3, ["tests/scripts/exit_early.py", "after", "bare"], timeout=60)
+    assert not result.timed_out and result.returncode != 0, str(result)
+    said = (r"    rank 1: its program ended before any collective with no error meta_dist could "
+            r"see \(a clean end, or `raise SystemExit\(n\)`, whose n it cannot see: sys\.exit\(n\) "
+            r"ends the job with n\)")
+    assert re.search(said, result.output), str(result)
+    assert "(no error)" not in result.output and "unreachable" not in result.output
+
+
 def test_rank_that_skips_a_collective_is_reported_not_hung():
     result = run(2, ["tests/scripts/skip_collective.py"], timeout=120)
     assert not result.timed_out and result.returncode != 0, str(result)
@@ -294,7 +307,7 @@ def test_a_rank_whose_program_ends_is_named_at_once(where, waits):
     result = run(3, ["tests/scripts/hang.py", "exits", where], timeout=120, env=env)
     assert not result.timed_out and result.returncode != 0, str(result)
     said = (rf"\[rank 0\] {waits}: rank 2 ended its program without reaching it (.*\n)*"
-            r"    rank 2: its program ended \(no error\) after collective #1")
+            r"    rank 2: its program ended after collective #1 with no error meta_dist could see")
     assert re.search(said, result.output), str(result)
     assert "not responding" not in result.output and "unreachable" not in result.output
     assert result.output.count("ended its program without reaching it") == 1, str(result)

@@ -4,7 +4,8 @@
 
 WHEN is ``before`` (before meta_dist starts MPI) or ``after`` (once the context is up); HOW is
 ``raise`` (an uncaught exception), ``exit`` (sys.exit(3)), ``builtin`` (the site module's
-exit(3), which does not go through sys.exit) or ``wrapped`` (raise under an
+exit(3), which does not go through sys.exit), ``bare`` (raise SystemExit(3), which does not
+either) or ``wrapped`` (raise under an
 exception hook that captures stderr around ours, as torch.distributed's does). Rank 1 leaves;
 the others go on to an allreduce that rank 1 never joins.
 """
@@ -42,6 +43,8 @@ def leave():
         raise RuntimeError(f"deliberate failure on rank 1 {WHEN} init")
     if HOW == "builtin":
         exit(3)  # noqa: PLR1722 (the builtin on purpose: users call it)
+    if HOW == "bare":
+        raise SystemExit(3)  # as `raise SystemExit(main())` does
     sys.exit(3)
 
 

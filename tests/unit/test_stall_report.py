@@ -23,8 +23,9 @@ def test_a_rank_whose_program_ended_before_the_collective_is_named_as_such():
     shown = text(answers={1: state(2, [("allreduce", 2, 3.0, "")])}, exited={2: 1}, gone=[2])
     assert shown.startswith("[rank 0] allreduce #2 (numpy float64 (4,)): rank 2 ended its "
                             "program without reaching it (3.0 s waited)\n"), shown
-    assert "  not arrived: rank 2\n    rank 2: its program ended (no error) after collective " \
-           "#1, with this communicator open" in shown, shown
+    assert "  not arrived: rank 2\n    rank 2: its program ended after collective #1 with no " \
+           "error meta_dist could see (a clean end, or `raise SystemExit(n)`" in shown, shown
+    assert "with this communicator open" in shown and "(no error)" not in shown, shown
     assert "not responding" not in shown
 
 
@@ -38,7 +39,7 @@ def test_a_rank_that_did_its_part_and_then_ended_is_not_called_absent():
 
 def test_a_rank_that_ended_before_any_collective_says_so():
     shown = text(answers={1: state(2, [("allreduce", 2, 3.0, "")])}, exited={2: 0}, gone=[2])
-    assert "rank 2: its program ended (no error) before any collective" in shown, shown
+    assert "rank 2: its program ended before any collective with no error" in shown, shown
 
 
 def test_an_unanswered_rank_that_did_not_end_is_not_responding():
@@ -54,5 +55,5 @@ def test_a_receive_from_a_rank_that_ended_lists_every_rank():
     assert shown.startswith("[rank 0] recv from rank 2 (numpy float64 (4,)): rank 2 ended its "
                             "program without reaching it"), shown
     assert "  the other ranks:\n    rank 1 (host node1, pid 42): completed no collective yet; " \
-           "now in no collective\n    rank 2: its program ended (no error) after collective " \
-           "#1" in shown, shown
+           "now in no collective\n    rank 2: its program ended after collective #1 with no " \
+           "error" in shown, shown
