@@ -27,6 +27,7 @@ import contextlib
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 import weakref
@@ -51,7 +52,7 @@ def install() -> None:
     real_exit = sys.exit
 
     def recording_exit(status: Any = None) -> None:
-        _exit_status[0] = status
+        _record(status)
         real_exit(status)
 
     recording_exit.__doc__ = real_exit.__doc__
@@ -67,11 +68,20 @@ def _recording(builtin: Any) -> Any:
     """Wrap the builtin ``exit`` or ``quit`` so that the code it exits with is recorded."""
 
     def recording(code: Any = None) -> None:
-        _exit_status[0] = code
+        _record(code)
         builtin(code)
 
     recording.__doc__ = getattr(builtin, "__doc__", None)
     return recording
+
+
+def _record(status: Any) -> None:
+    """Record the code the process exits with, if ``status`` is the main thread's.
+
+    In any other thread a SystemExit ends that thread alone, quietly: the process goes on.
+    """
+    if threading.current_thread() is threading.main_thread():
+        _exit_status[0] = status
 
 
 def track(connector: Any) -> None:

@@ -334,6 +334,14 @@ def test_a_caught_exit_does_not_end_the_job():
     assert result.output.count(" went on") == 3 and "ending the job" not in result.output
 
 
+def test_an_exit_in_a_thread_does_not_end_the_job():
+    """sys.exit(2) in a helper thread ends that thread alone, as in any Python program: the job
+    ends with 0 (the code was recorded as the process's and ended the job with 2 at exit)."""
+    result = run(3, ["tests/scripts/own_exit_paths.py", "thread"], timeout=120)
+    assert result.returncode == 0, str(result)
+    assert result.output.count(" went on") == 3 and "ending the job" not in result.output
+
+
 def test_an_exception_shown_by_the_program_s_own_hook_ends_the_job():
     """Rank 2's own sys.excepthook shows its exception in place of meta_dist's: the job still
     ends at once with code 1 (its peers were told its program ended 'with no error', or waited

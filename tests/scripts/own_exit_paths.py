@@ -7,9 +7,12 @@ around argparse does), then goes on to an allreduce and ends normally: the job m
 ``hook``: rank 2 installs a sys.excepthook of its own (as rich.traceback.install does) and
 raises after the first allreduce while the others wait in the next one: the job must end at
 once with code 1, saying the exception was uncaught.
+``thread``: after the last allreduce every rank's helper thread calls sys.exit(2), which ends
+that thread alone: the job must exit 0.
 """
 
 import sys
+import threading
 
 import numpy as np
 
@@ -25,6 +28,11 @@ if MODE == "caught":
         except SystemExit:
             pass
     meta_dist.allreduce(np.ones(4))
+    print(f"rank {context.rank} went on", flush=True)
+elif MODE == "thread":
+    helper = threading.Thread(target=sys.exit, args=(2,))
+    helper.start()
+    helper.join()
     print(f"rank {context.rank} went on", flush=True)
 else:
     if context.rank == 2:
