@@ -13,8 +13,22 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 NAMES = ("collectives", "fusion", "train", "checkpoint")
+
+
+def check_counts(parser: Any, args: Any, least: dict[str, int]) -> None:
+    """Refuse, with ``parser.error`` (one line, exit 2), an option below its least value.
+
+    ``least`` maps an option (``--steps``) to the smallest value it takes; None (not given)
+    passes. A 0 or a negative count made a table of nan, a ZeroDivisionError, or (--min-bytes)
+    an endless loop.
+    """
+    for option, low in least.items():
+        value = getattr(args, option.lstrip("-").replace("-", "_"))
+        if value is not None and value < low:
+            parser.error(f"{option}: got {value}; expected a number >= {low}")
 
 
 def main(argv: list[str]) -> int:

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from meta_dist import distributed as dist
+from meta_dist.bench import check_counts
 from meta_dist.config import load_config
 from meta_dist.lazy_mpi import MPI
 from meta_dist.nn.layers import Linear, ReLU
@@ -36,7 +37,9 @@ def parse_args(argv):
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--repeat", type=int, default=3)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_counts(p, args, {"--hidden": 1, "--depth": 1, "--repeat": 1})
+    return args
 
 
 def main(argv):

@@ -28,6 +28,7 @@ import time
 
 import numpy as np
 
+from meta_dist.bench import check_counts
 from meta_dist.comm import make_communicator
 from meta_dist.connector import MPIConnector
 from meta_dist.lazy_mpi import MPI
@@ -185,8 +186,11 @@ def parse_args(argv):
     if unknown:
         p.error(f"--ops: unknown {', '.join(map(repr, unknown))}; expected some of "
                 f"{', '.join(OPS)}, comma-separated")
-    if args.factor < 2:
-        p.error(f"--factor: got {args.factor}; expected a number >= 2")
+    check_counts(p, args, {"--factor": 2, "--min-bytes": 1, "--warmup": 0, "--blocks": 1,
+                           "--max-iters": 1})
+    if args.max_bytes < args.min_bytes:
+        p.error(f"--max-bytes: got {args.max_bytes}; expected a number >= --min-bytes "
+                f"({args.min_bytes})")
     return args
 
 

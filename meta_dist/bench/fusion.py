@@ -34,6 +34,7 @@ import time
 
 import numpy as np
 
+from meta_dist.bench import check_counts
 from meta_dist.lazy_mpi import MPI
 from meta_dist.xp import split_buffer
 
@@ -51,7 +52,13 @@ def parse_args(argv):
     p.add_argument("--per-block", type=int, default=3, help="passes in one block")
     p.add_argument("--warmup", type=int, default=5, help="untimed passes per variant")
     p.add_argument("--no-check", action="store_true", help="set META_DIST_CHECK=0")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_counts(p, args, {"--arrays": 1, "--min-numel": 1, "--rounds": 1, "--per-block": 1,
+                           "--warmup": 0})
+    if args.max_numel < args.min_numel:
+        p.error(f"--max-numel: got {args.max_numel}; expected a number >= --min-numel "
+                f"({args.min_numel})")
+    return args
 
 
 def main(argv):

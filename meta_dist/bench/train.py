@@ -52,6 +52,7 @@ import numpy as np
 
 from meta_dist import blas_threads
 from meta_dist import distributed as dist
+from meta_dist.bench import check_counts
 from meta_dist.bench.plot import check_plotting, plot_memory
 from meta_dist.bench.workloads import BATCHES, SEED, GPTWorkload, MLPWorkload, count_params
 from meta_dist.config import load_config
@@ -154,6 +155,8 @@ def parse_args(argv):
                    help="cuda: meta_dist on CuPy (NCCL where usable) and torch on the GPU "
                         "(nccl process group)")
     args = p.parse_args(argv)
+    check_counts(p, args, {"--steps": 1, "--warmup": 0, "--blocks": 1, "--hidden": 1,
+                           "--depth": 1, "--batch": 1})
     if args.plot and check_plotting():
         p.error(check_plotting())
     try:

@@ -37,10 +37,26 @@ def test_trace_merge_names_a_file_that_is_cut_off(tmp_path, capsys):
     ("collectives", ["--factor", "1"], "--factor: got 1; expected a number >= 2"),
     ("train", ["--levels", "0,5"], "--levels: expected ZeRO levels among 0, 1, 2, 3"),
     ("train", ["--levels", "two"], "--levels: expected ZeRO levels among 0, 1, 2, 3"),
+    ("collectives", ["--min-bytes", "0"], "--min-bytes: got 0; expected a number >= 1"),
+    ("collectives", ["--min-bytes", "8192", "--max-bytes", "4096"],
+     "--max-bytes: got 4096; expected a number >= --min-bytes (8192)"),
+    ("collectives", ["--blocks", "0"], "--blocks: got 0; expected a number >= 1"),
+    ("fusion", ["--arrays", "0"], "--arrays: got 0; expected a number >= 1"),
+    ("fusion", ["--min-numel", "10", "--max-numel", "5"],
+     "--max-numel: got 5; expected a number >= --min-numel (10)"),
+    ("train", ["--steps", "0"], "--steps: got 0; expected a number >= 1"),
+    ("train", ["--blocks", "0"], "--blocks: got 0; expected a number >= 1"),
+    ("train", ["--batch", "0"], "--batch: got 0; expected a number >= 1"),
+    ("train", ["--depth", "0"], "--depth: got 0; expected a number >= 1"),
+    ("checkpoint", ["save", "ckpt", "--repeat", "0"], "--repeat: got 0; expected a number >= 1"),
 ])
 def test_a_benchmark_names_the_option_it_cannot_use(module, argv, says, capsys):
     """--ops allreduc also blamed --factor; --levels 5 was blamed on a config 'script dict'
-    after MPI had started, and --levels two was a ValueError traceback."""
+    after MPI had started, and --levels two was a ValueError traceback. A count of 0 ran on:
+    --min-bytes 0 looped for ever, --steps or --blocks 0 ended in a ZeroDivisionError after
+    the runs, --blocks 0 (collectives) printed a table of nan as 'all results right', --batch
+    0 ran 256, --depth 0 ran one hidden layer labelled 784-10, --repeat 0 an
+    UnboundLocalError, and --max-bytes under --min-bytes an IndexError."""
     parse_args = importlib.import_module(f"meta_dist.bench.{module}").parse_args
     with pytest.raises(SystemExit) as stopped:
         parse_args(argv)
