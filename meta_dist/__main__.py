@@ -6,13 +6,14 @@ Commands:
                                                the benchmarks (meta_dist.bench)
     python -m meta_dist trace merge DIR OUT.json    the ranks' traces (meta_dist_config.trace)
                                                     in one file, a track per rank
+    python -m meta_dist checkpoint info|consolidate ...    as python -m meta_dist.checkpoint
 """
 
 import sys
 
 USAGE = ("usage: mpirun -np N python -m meta_dist doctor, mpirun -np N python -m meta_dist "
-         "bench collectives|fusion|train|checkpoint [options], or python -m meta_dist trace "
-         "merge DIR OUT.json")
+         "bench collectives|fusion|train|checkpoint [options], python -m meta_dist trace "
+         "merge DIR OUT.json, or python -m meta_dist checkpoint info|consolidate ...")
 
 
 def main(argv: list[str]) -> int:
@@ -25,6 +26,10 @@ def main(argv: list[str]) -> int:
         from meta_dist.bench import main as bench
 
         return bench(argv[1:])
+    if argv[:1] == ["checkpoint"]:  # the name the other commands lead users to try
+        from meta_dist.checkpoint.cli import main as checkpoint
+
+        return checkpoint(argv[1:])
     if argv[:1] == ["trace"]:
         from meta_dist.trace import cli
 

@@ -21,6 +21,19 @@ def test_the_doctor_refuses_an_argument():
     assert "Traceback" not in done.stderr
 
 
+def test_the_checkpoint_command_is_one_of_meta_dist_s_commands(tmp_path):
+    """python -m meta_dist checkpoint info DIR was an "unknown command" whose usage did not
+    mention the checkpoint tool (python -m meta_dist.checkpoint) at all."""
+    done = subprocess.run([sys.executable, "-m", "meta_dist", "checkpoint", "info",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 2 and "unknown command" not in done.stderr, done.stderr
+    assert "holds no complete checkpoint" in done.stderr, done.stderr
+    done = subprocess.run([sys.executable, "-m", "meta_dist", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert "python -m meta_dist checkpoint info|consolidate" in done.stderr, done.stderr
+
+
 def test_trace_merge_names_a_file_that_is_cut_off(tmp_path, capsys):
     """A rank killed while writing its trace left half a file: a JSONDecodeError traceback."""
     whole = {"traceEvents": [{"name": "step", "ph": "X", "pid": 0, "tid": 0, "ts": 1.0}]}
