@@ -104,8 +104,9 @@ def check_directories(trainer: Trainer) -> None:
             continue
         path = Path(folder)
         existing = next((p for p in (path, *path.parents) if p.exists()), None)
-        if path.exists() and not path.is_dir():
-            problems.append(f"{key} {folder} (set in {where}) is a file; expected a directory "
+        if existing is not None and not existing.is_dir():  # the folder, or one above it
+            what = "is a file" if existing == path else f"is inside a file, {existing}"
+            problems.append(f"{key} {folder} (set in {where}) {what}; expected a directory "
                             "(it is made if missing); choose another path")
         elif existing is not None and not os.access(existing, os.W_OK | os.X_OK):
             problems.append(f"{key} {folder} (set in {where}): {existing} is not writable here; "

@@ -3,6 +3,7 @@ size and level), bad checkpoints fail on every rank before anything changes, and
 writes the live model's parameters."""
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -109,7 +110,8 @@ def test_the_last_step_is_saved_and_a_new_run_never_replaces_another_runs(world,
     """checkpoint_every 4 over 6 steps also saves step 6 (the end of a run was lost unless a
     multiple of it). A second run in that directory without resume_from would have replaced
     step 4 and 6 and pruned the rest without a word: every rank refuses it before any step. A
-    checkpoint_dir that is a file is refused before the first step, not at the first save."""
+    checkpoint_dir that is a file, or inside one, is refused before the first step, not at the
+    first save."""
     x, y = data()
     trainer(world, 1, checkpoint_dir=shared_dir, checkpoint_every=4).fit(x, y)
     saved = sorted(p.name for p in Path(shared_dir).glob("step-*"))
@@ -130,6 +132,12 @@ def test_the_last_step_is_saved_and_a_new_run_never_replaces_another_runs(world,
     with pytest.raises(UsageError, match="checkpoint_dir .*a_file .* is a file; expected a "
                                          "directory"):
         trainer(world, 1, checkpoint_dir=a_file, checkpoint_every=4).fit(x, y)
+    if world.rank == 0:  # executable: access() let a path through it pass; NotADirectoryError
+        os.chmod(a_file, 0o755)  # at the first save, after the steps before it
+    world.connector.barrier()
+    with pytest.raises(UsageError, match="checkpoint_dir .*a_file/sub .* is inside a file, "
+                                         ".*a_file; expected a directory"):
+        trainer(world, 1, checkpoint_dir=f"{a_file}/sub", checkpoint_every=4).fit(x, y)
 
 
 def test_a_resumed_run_replaces_the_checkpoint_of_its_last_step(world, shared_dir):
