@@ -3,7 +3,6 @@ size and level), bad checkpoints fail on every rank before anything changes, and
 writes the live model's parameters."""
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -133,7 +132,7 @@ def test_the_last_step_is_saved_and_a_new_run_never_replaces_another_runs(world,
                                          "directory"):
         trainer(world, 1, checkpoint_dir=a_file, checkpoint_every=4).fit(x, y)
     if world.rank == 0:  # executable: access() let a path through it pass; NotADirectoryError
-        os.chmod(a_file, 0o755)  # at the first save, after the steps before it
+        Path(a_file).chmod(0o755)  # at the first save, after the steps before it
     world.connector.barrier()
     with pytest.raises(UsageError, match="checkpoint_dir .*a_file/sub .* is inside a file, "
                                          ".*a_file; expected a directory"):
