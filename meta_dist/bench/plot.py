@@ -7,14 +7,25 @@ meta_dist needs it.
 from __future__ import annotations
 
 import importlib.util
+import os
+from pathlib import Path
 
 PARTS = (("params", "#4c72b0"), ("grads", "#dd8452"), ("optimizer", "#55a868"),
          ("buffers", "#c44e52"))
 MIB = 2**20
 
 
-def check_plotting() -> str | None:
-    """Return why plotting cannot work here (no matplotlib), or None."""
+def check_plotting(path: str) -> str | None:
+    """Return why a plot cannot be written to ``path`` (no matplotlib, no folder), or None.
+
+    Asked before the benchmark runs: a missing folder found only at the end lost the run.
+    """
+    folder = Path(path).parent
+    if not folder.is_dir():
+        return (f"--plot: the folder of {path} does not exist ({folder}); create it or "
+                "choose another path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"--plot: {folder} is not writable here; choose another path"
     if importlib.util.find_spec("matplotlib") is None:
         return ("--plot needs matplotlib, which comes with the bench extra: "
                 "pip install -e '.[bench]'")

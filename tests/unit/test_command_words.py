@@ -62,6 +62,8 @@ def test_trace_merge_names_a_file_that_is_cut_off(tmp_path, capsys):
     ("train", ["--batch", "0"], "--batch: got 0; expected a number >= 1"),
     ("train", ["--depth", "0"], "--depth: got 0; expected a number >= 1"),
     ("checkpoint", ["save", "ckpt", "--repeat", "0"], "--repeat: got 0; expected a number >= 1"),
+    ("train", ["--plot", "/no/such/folder/memory.png"],
+     "--plot: the folder of /no/such/folder/memory.png does not exist (/no/such/folder)"),
 ])
 def test_a_benchmark_names_the_option_it_cannot_use(module, argv, says, capsys):
     """--ops allreduc also blamed --factor; --levels 5 was blamed on a config 'script dict'
@@ -69,7 +71,8 @@ def test_a_benchmark_names_the_option_it_cannot_use(module, argv, says, capsys):
     --min-bytes 0 looped for ever, --steps or --blocks 0 ended in a ZeroDivisionError after
     the runs, --blocks 0 (collectives) printed a table of nan as 'all results right', --batch
     0 ran 256, --depth 0 ran one hidden layer labelled 784-10, --repeat 0 an
-    UnboundLocalError, and --max-bytes under --min-bytes an IndexError."""
+    UnboundLocalError, and --max-bytes under --min-bytes an IndexError. A --plot into a
+    missing folder failed with FileNotFoundError after the whole benchmark had run."""
     parse_args = importlib.import_module(f"meta_dist.bench.{module}").parse_args
     with pytest.raises(SystemExit) as stopped:
         parse_args(argv)
