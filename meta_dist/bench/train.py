@@ -271,7 +271,8 @@ def main(argv):
             parts.append(f"ZeRO-3/ZeRO-2 step time {z3 / z2:.3f}")
         if z3 and fsdp:
             parts.append(f"ZeRO-3 = {fsdp / z3:.2f}x torch FSDP's speed")
-        print("summary: " + ("; ".join(parts) or "(needs level 0, and --torch for the DDP ratio)"))
+        print("summary: " + ("; ".join(parts) or "(nothing to compare: run level 0 beside "
+                                                  "another level, or with --torch)"))
         if args.plot:
             bars = {name.replace("meta_dist ", ""): {**{k: r["report"][k] / MIB for k in
                                                         ("params", "grads", "optimizer",
