@@ -31,6 +31,13 @@ def check_counts(parser: Any, args: Any, least: dict[str, int]) -> None:
             parser.error(f"{option}: got {value}; expected a number >= {low}")
 
 
+def check_order(parser: Any, args: Any, low: str, high: str) -> None:
+    """Refuse (``parser.error``) a ``high`` option below the ``low`` one (--max-bytes, say)."""
+    below, above = (getattr(args, o.lstrip("-").replace("-", "_")) for o in (low, high))
+    if above < below:
+        parser.error(f"{high}: got {above}; expected a number >= {low} ({below})")
+
+
 def main(argv: list[str]) -> int:
     """Run the benchmark ``argv[0]`` names with the options after it."""
     if not argv or argv[0] not in NAMES:

@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from meta_dist.bench import check_counts
+from meta_dist.bench import check_counts, check_order
 from meta_dist.comm import make_communicator
 from meta_dist.connector import MPIConnector
 from meta_dist.lazy_mpi import MPI
@@ -188,9 +188,7 @@ def parse_args(argv):
                 f"{', '.join(OPS)}, comma-separated")
     check_counts(p, args, {"--factor": 2, "--min-bytes": 1, "--warmup": 0, "--blocks": 1,
                            "--max-iters": 1})
-    if args.max_bytes < args.min_bytes:
-        p.error(f"--max-bytes: got {args.max_bytes}; expected a number >= --min-bytes "
-                f"({args.min_bytes})")
+    check_order(p, args, "--min-bytes", "--max-bytes")
     return args
 
 

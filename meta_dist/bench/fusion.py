@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from meta_dist.bench import check_counts
+from meta_dist.bench import check_counts, check_order
 from meta_dist.lazy_mpi import MPI
 from meta_dist.xp import split_buffer
 
@@ -55,9 +55,7 @@ def parse_args(argv):
     args = p.parse_args(argv)
     check_counts(p, args, {"--arrays": 1, "--min-numel": 1, "--rounds": 1, "--per-block": 1,
                            "--warmup": 0})
-    if args.max_numel < args.min_numel:
-        p.error(f"--max-numel: got {args.max_numel}; expected a number >= --min-numel "
-                f"({args.min_numel})")
+    check_order(p, args, "--min-numel", "--max-numel")
     return args
 
 
