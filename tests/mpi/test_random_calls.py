@@ -6,8 +6,8 @@ separate or back to back) comes from a generator seeded by its rank. So ranks th
 differ in placement meet in almost every call, the case in which a choice made from a rank's
 own layout would send the ranks down different MPI call sequences and hang the job. Inputs are
 small integers (uint8 over its whole range, wrapping), so sums and products are exact in every
-dtype and an average is that sum divided once in the dtype, as the library divides: a result
-must equal numpy's byte for byte, which also makes it the same bytes on every rank. Inputs of
+dtype and an average is that sum divided once in the dtype, as the library divides (float16's
+divides first, on multiples of size: exact too): a result must equal numpy's byte for byte, which also makes it the same bytes on every rank. Inputs of
 out-of-place calls come back untouched, and an in-place reduce_scatter leaves the other ranks'
 rows alone. The second communicator takes the pairwise exchange at every size in 40-byte
 segments, so arrays are cut at many segment and chunk edges.
@@ -48,14 +48,19 @@ def draw_call(rng, size, most_rows):
     return api, op, dtype, shapes, is_list, int(rng.integers(size))
 
 
-def inputs_of(seed, rank, shapes, dtype, op):
-    """Return one rank's arrays: small integers, so any reduction of them over 5 ranks is exact."""
+def inputs_of(seed, rank, shapes, dtype, op, size):
+    """Return one rank's arrays: small integers, so any reduction of them over 5 ranks is exact.
+
+    A float16 average divides each rank's values by size before the sum (as ncclAvg does):
+    they are multiples of size, so that the quotients, and their sums in any order, are exact.
+    """
     rng = np.random.default_rng([seed, rank])
     if dtype == np.uint8:
         low, high = (0, 256) if op == "sum" else (0, 3 if op == "prod" else 9)
     else:
         low, high = (1, 3) if op == "prod" else (-8, 9)
-    return [rng.integers(low, high, shape).astype(dtype) for shape in shapes]
+    factor = size if (dtype, op) == (np.float16, "avg") else 1
+    return [np.asarray(rng.integers(low, high, shape) * factor, dtype) for shape in shapes]
 
 
 def reference(api, op, per_rank, rank, root):
@@ -117,7 +122,7 @@ def test_random_calls_are_exact(connector, path):
     try:
         for call in range(CALLS):
             api, op, dtype, shapes, is_list, root = draw_call(shared, size, most_rows)
-            per_rank = [inputs_of(call, r, shapes, dtype, op) for r in range(size)]
+            per_rank = [inputs_of(call, r, shapes, dtype, op, size) for r in range(size)]
             want = reference(api, op, per_rank, rank, root)
             send, out, placement = place(own, api, per_rank[rank], want, is_list, rank)
             sends = send if is_list else [send]
