@@ -7,10 +7,11 @@ differ in placement meet in almost every call, the case in which a choice made f
 own layout would send the ranks down different MPI call sequences and hang the job. Inputs are
 small integers (uint8 over its whole range, wrapping), so sums and products are exact in every
 dtype and an average is that sum divided once in the dtype, as the library divides (float16's
-divides first, on multiples of size: exact too): a result must equal numpy's byte for byte, which also makes it the same bytes on every rank. Inputs of
-out-of-place calls come back untouched, and an in-place reduce_scatter leaves the other ranks'
-rows alone. The second communicator takes the pairwise exchange at every size in 40-byte
-segments, so arrays are cut at many segment and chunk edges.
+divides first, on multiples of size: exact too): a result must equal numpy's byte for byte,
+which also makes it the same bytes on every rank. Inputs of out-of-place calls come back
+untouched, and an in-place reduce_scatter leaves the other ranks' rows alone. The second
+communicator takes the pairwise exchange at every size in 40-byte segments, so arrays are cut
+at many segment and chunk edges.
 """
 
 import numpy as np
