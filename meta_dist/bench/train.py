@@ -157,8 +157,8 @@ def parse_args(argv):
     args = p.parse_args(argv)
     check_counts(p, args, {"--steps": 1, "--warmup": 0, "--blocks": 1, "--hidden": 1,
                            "--depth": 1, "--batch": 1})
-    if args.plot and check_plotting(args.plot):
-        p.error(check_plotting(args.plot))
+    if args.plot and (problem := check_plotting(args.plot)):
+        p.error(problem)
     try:
         args.levels = [int(level) for level in args.levels.split(",") if level]
     except ValueError:

@@ -109,7 +109,7 @@ class MpiCommunicator(Communicator):
     # ---------------------------------------------------------------- primitives
 
     def _allreduce(self, send: Any, recv: Any, op: str) -> None:
-        send = self._prescaled(send, op)
+        send = self._prescaled(send, op, in_place=recv is send)
         if self.size == 1 or self._library_reduces(send, "allreduce"):
             if recv is not send:  # the standard asks every rank for MPI_IN_PLACE, or none
                 recv[...] = send
@@ -176,13 +176,17 @@ class MpiCommunicator(Communicator):
         self._scratch.clear()
         self._comm.Free()
 
-    def _prescaled(self, send: Any, op: str) -> Any:
-        """Return a new ``send / size`` where avg divides before the sum (``PRESCALED_AVG``).
+    def _prescaled(self, send: Any, op: str, in_place: bool = False) -> Any:
+        """Return ``send / size`` where avg divides before the sum (``PRESCALED_AVG``).
 
-        A new array: ``send`` stays untouched, and an in-place call becomes an out-of-place
-        one into the caller's buffer. Each element is rounded once (float16 division).
+        Divided where it lies when the call is in place (the result overwrites it anyway: the
+        trainer's gradient buckets), else into a new array: out of place, ``send`` comes back
+        untouched. Each element is rounded once (float16 division) either way.
         """
         if op != "avg" or self.size == 1 or send.dtype.char not in PRESCALED_AVG:
+            return send
+        if in_place:
+            send /= send.dtype.type(self.size)
             return send
         return send / send.dtype.type(self.size)
 
