@@ -168,7 +168,10 @@ class NcclCommunicator(Communicator):
         # (done event, arrays it uses, operation, its sequence number (None: point to point),
         # when it was enqueued), oldest first
         self._in_flight: deque[tuple[Any, tuple[Any, ...], str, int | None, float]] = deque()
-        self._aborted = False
+        self._aborted = self._closing = False
+        # The watchdog's probe queries NCCL from its own thread: it holds this lock, and close and
+        # abort take it to mark the communicator gone, so that it never queries one being freed
+        self._probe_lock = threading.Lock()
         self._probe_thread: int | None = None  # the thread _oldest_unfinished made GPU current on
         watchdog = self._threads.watchdog
         if watchdog is not None:
@@ -220,7 +223,9 @@ class NcclCommunicator(Communicator):
                 # destroy would block on unfinished work; the event belongs to the stream's
                 # device, whichever is current
                 with self._cupy.cuda.Device(self.device):
-                    self._host_wait(mark(self._cupy, self._stream))
+                    self._host_wait(mark(self._cupy, self._stream))  # watched: still probed
+                with self._probe_lock:
+                    self._closing = True
                 self._comm.destroy()
         except Exception as error:
             self._abort()
@@ -314,28 +319,30 @@ class NcclCommunicator(Communicator):
         every rank of a node (torchcomms PR #777). ``use()``, not ``with``: leaving the block
         would set device 0 again, and cudaSetDevice initializes its context too.
         """
-        comm = self._comm
-        if comm is None or self._aborted:
-            return None
-        if self._probe_thread != threading.get_ident():
-            self._cupy.cuda.Device(self.device).use()
-            self._probe_thread = threading.get_ident()
-        try:
-            comm.check_async_error()
-        except Exception as error:  # NcclError, or KeyError for statuses CuPy cannot name
-            raise RuntimeError(f"NCCL reported an error on rank {self.rank}: "
-                               f"{_describe(error)}; NCCL_DEBUG=WARN shows NCCL's own log"
-                               ) from error
+        with self._probe_lock:  # close() may be destroying it on another thread (see __init__)
+            if self._comm is None or self._aborted or self._closing:
+                return None
+            if self._probe_thread != threading.get_ident():
+                self._cupy.cuda.Device(self.device).use()
+                self._probe_thread = threading.get_ident()
+            try:
+                self._comm.check_async_error()
+            except Exception as error:  # NcclError, or KeyError for statuses CuPy cannot name
+                raise RuntimeError(f"NCCL reported an error on rank {self.rank}: "
+                                   f"{_describe(error)}; NCCL_DEBUG=WARN shows NCCL's own log"
+                                   ) from error
         for done, arrays, api, seq, start in list(self._in_flight):
             if not done.done:
                 return f"nccl {api}", seq, start, list(arrays[:1])
         return None
 
     def _abort(self) -> None:
-        if self._comm is not None and not self._aborted:
+        with self._probe_lock:
+            comm = None if self._aborted else self._comm
             self._aborted = True
+        if comm is not None:
             try:
-                self._comm.abort()
+                comm.abort()
             except Exception:  # already failing: the error being raised is the one to report
                 pass
 

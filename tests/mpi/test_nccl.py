@@ -371,6 +371,40 @@ def test_close_with_another_gpu_current(connector, gpu):
 
 
 @pytest.mark.gpu
+def test_close_while_the_watchdog_probes_nccl(connector, gpu):
+    """The stall watchdog asks NCCL for errors (ncclCommGetAsyncError) from its own thread while
+    close() destroys the communicator on the caller's: the probe could query a communicator
+    destroyed under it (CuPy then passes NULL; NCCL answers ncclInvalidArgument, or reads freed
+    memory mid-destroy), and the watchdog ended a finished job with "NCCL reported an error".
+    Seen as a rank of the stand-in GPU job aborting mid-suite. The probe runs here in a loop
+    beside each close, as the watchdog's poll would, many times more often."""
+    failures = []
+    for _ in range(20):
+        comm = make_communicator("nccl", connector, stall_timeout=60.0)
+        probe = connector.watchdogs[-1].probes[-1]
+        stop = threading.Event()
+
+        def poll(probe=probe, stop=stop):
+            while not stop.is_set():
+                try:
+                    probe()
+                except Exception as error:  # what the watchdog would end the job with
+                    failures.append(f"{type(error).__name__}: {error}")
+                    return
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        try:
+            time.sleep(0.002)
+            comm.close()
+            time.sleep(0.002)
+        finally:
+            stop.set()
+            poller.join()
+    assert not failures, f"rank {connector.rank}: the probe failed beside close: {failures}"
+
+
+@pytest.mark.gpu
 @pytest.mark.mpi(min_size=2)
 def test_meta_dist_threads_touch_only_the_ranks_gpu(connector, gpu):
     """meta_dist's own threads (communication, watchdog) make CUDA calls on the rank's GPU
