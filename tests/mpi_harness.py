@@ -11,10 +11,14 @@ A conftest imports the hooks by name, which registers them for its folder:
 3. at the end rank 0 writes every test's outcome, per rank, to ``$META_DIST_SUITE_REPORT``
    (JSON), which tests/mpirun.py's ``run_suite`` reads and the outer pytest summarises;
 4. a rank with a failed test waits OUTPUT_GRACE_S as it exits, so that its report reaches the
-   launcher before the job is aborted.
-Imports mpi4py only: the stand-in's tests use it without meta_dist.
+   launcher before the job is aborted;
+5. a rank that ends the job from inside a test (meta_dist's stall watchdog or failfast) first
+   copies what pytest captured of that test to the real stderr: the abort drops the capture.
+Imports mpi4py only (meta_dist's failfast where the suite imported it): the stand-in's tests
+use it without meta_dist.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -30,6 +34,32 @@ AGREE_TIMEOUT_S = 20.0  # how long a failed rank waits for its peers to finish t
 OUTPUT_GRACE_S = 1.0  # as meta_dist.failfast's: for the launcher to forward a report
 _agree = WORLD.Dup()  # collective: every rank imports the harness at start-up
 _outcomes: dict[str, dict] = {}  # nodeid -> {"outcome", "reason", "failed_on"} on this rank
+
+
+def pytest_configure(config):
+    """Make meta_dist's job-ending paths show what the running test wrote (point 5).
+
+    The stall watchdog and failfast write their report to sys.stderr and then MPI_Abort; inside
+    a test that is pytest's capture, so a rank of the stand-in GPU job once ended the job
+    ("MPI_ABORT was invoked on rank 2", errorcode 1) saying nothing. Both call
+    ``failfast.flush_output`` just before the abort: it now copies the capture first to the
+    stderr pytest found (capture is suspended while plugins configure).
+    """
+    failfast = sys.modules.get("meta_dist.failfast")
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if failfast is None or capture is None:
+        return
+    real_stderr, flush = os.dup(2), failfast.flush_output
+
+    def flush_output() -> None:
+        with contextlib.suppress(Exception):  # nothing captured, or capture already gone
+            out, err = capture.read_global_capture()
+            if out or err:
+                os.write(real_stderr, f"[rank {WORLD.rank}] ending the job inside a test; what "
+                         f"the test wrote:\n{out}{err}\n".encode(errors="replace"))
+        flush()
+
+    failfast.flush_output = flush_output
 
 
 def pytest_collection_modifyitems(config, items):
@@ -69,6 +99,7 @@ def pytest_runtest_protocol(item, nextitem):
                              f"{item.nodeid} within {AGREE_TIMEOUT_S:.0f} s of its failure "
                              "here (they wait for this rank); ending the job\n")
             sys.stderr.flush()
+            time.sleep(OUTPUT_GRACE_S)  # for the launcher to forward it before the abort
             WORLD.Abort(1)
         time.sleep(0.001)
     if anyone[0] and not failed:

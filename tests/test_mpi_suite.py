@@ -27,8 +27,8 @@ import pytest
 from mpi4py import MPI
 
 from mpi_harness import (  # noqa: F401
-    pytest_collection_modifyitems, pytest_runtest_logreport, pytest_runtest_protocol,
-    pytest_sessionfinish, pytest_unconfigure)
+    pytest_collection_modifyitems, pytest_configure, pytest_runtest_logreport,
+    pytest_runtest_protocol, pytest_sessionfinish, pytest_unconfigure)
 '''
 
 PLANTED_TESTS = '''
@@ -69,3 +69,38 @@ def test_a_failure_hides_no_other_test(tmp_path):
     assert len(suite_failures(tests)) == 2
     # each failing rank's own report reached the launcher before the job was aborted
     assert "[rank 1] FAILED" in result.output and "planted failure" in result.output, str(result)
+
+
+PLANTED_ENDING = '''
+import sys
+import threading
+import time
+
+from mpi4py import MPI
+
+import meta_dist.failfast as failfast
+
+def test_a_rank_ends_the_job_from_a_thread():
+    if MPI.COMM_WORLD.rank == 1:  # as the stall watchdog does: report, then end the job
+        def end():
+            sys.stderr.write("planted watchdog report\\n")
+            failfast.end_job(1)
+        threading.Thread(target=end).start()
+    time.sleep(30)
+'''
+
+
+def test_a_rank_ending_the_job_inside_a_test_is_heard(tmp_path):
+    """meta_dist's stall watchdog ends a job from its own thread, writing its report to
+    sys.stderr first; inside a test pytest captures it, and the abort dropped it: a stand-in
+    GPU job once ended "MPI_ABORT was invoked on rank 2" with nothing else said. The harness
+    copies the capture out first (tests/mpi_harness.py, point 5)."""
+    (tmp_path / "conftest.py").write_text(PLANTED + "import meta_dist  # noqa: F401\n")
+    (tmp_path / "test_planted.py").write_text(PLANTED_ENDING)
+    env = mpi_env()
+    env["PYTHONPATH"] = f"{ROOT / 'tests'}:{env['PYTHONPATH']}"
+    result, _ = run_suite(2, str(tmp_path), timeout=120, env=env)
+    SUITE_RUNS.pop()
+    assert result.returncode != 0 and not result.timed_out, str(result)
+    assert "[rank 1] ending the job inside a test" in result.output, str(result)
+    assert "planted watchdog report" in result.output, str(result)

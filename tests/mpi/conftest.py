@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from mpi_harness import (  # noqa: F401 - registers the shared hooks here
     pytest_collection_modifyitems,
+    pytest_configure,
     pytest_runtest_logreport,
     pytest_runtest_protocol,
     pytest_sessionfinish,

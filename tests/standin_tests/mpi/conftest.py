@@ -9,6 +9,7 @@ import pytest
 from mpi_harness import (  # noqa: F401 - registers the shared hooks here
     WORLD,
     pytest_collection_modifyitems,
+    pytest_configure,
     pytest_runtest_logreport,
     pytest_runtest_protocol,
     pytest_sessionfinish,
