@@ -135,7 +135,8 @@ class TrainConfig(_Validated):
 
     Attributes:
         n_epoch: Number of epochs.
-        n_mini_batch: Mini-batches per epoch.
+        n_mini_batch: Mini-batches per epoch, at most: an epoch ends sooner where the data
+            holds fewer full global batches (the progress lines show step k/n).
         batch_size: Global batch size, split evenly across ranks.
         input_shape: Shape of one sample (YAML lists are accepted).
         num_classes: Number of output classes.
