@@ -324,8 +324,9 @@ class Communicator(ABC):
         contiguous copies) lands there.
         """
         arrays = args[0]
-        first = arrays[0] if isinstance(arrays, (list, tuple)) and arrays else arrays
-        if type(arrays) is np.ndarray or not is_cupy_array(first):  # the first: one type test
+        first = None if type(arrays) is np.ndarray else (  # the common case: one type test
+            arrays[0] if isinstance(arrays, (list, tuple)) and arrays else arrays)
+        if first is None or not is_cupy_array(first):
             run = make(self, *args)
             return run if advise is None else advised(run, advise)
         with first.device:

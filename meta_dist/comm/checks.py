@@ -108,8 +108,8 @@ def check_rank(api: str, what: str, value: Any, size: int) -> None:
 
 def check_rows(api: str, sends: list[Any], size: int) -> None:
     """Raise ValueError unless every array's axis 0 divides by ``size`` (reduce_scatter)."""
-    check_axis0(api, sends)
     for s in sends:
+        check_axis0(api, s)
         if s.shape[0] % size:
             raise ValueError(
                 f"{api}: send has {s.shape[0]} rows along axis 0 (shape {s.shape}), size is "
@@ -117,9 +117,9 @@ def check_rows(api: str, sends: list[Any], size: int) -> None:
                 "(meta_dist.zero.partition.padded_size) or use allreduce")
 
 
-def check_axis0(api: str, sends: list[Any]) -> None:
+def check_axis0(api: str, send: Any) -> None:
     """Raise ValueError for a 0-d array (allgather and reduce_scatter work along axis 0)."""
-    if any(s.ndim == 0 for s in sends):
+    if send.ndim == 0:
         raise ValueError(f"{api}: send is 0-d; expected an array with axis 0")
 
 

@@ -51,7 +51,8 @@ class Fusion:
 
     def direct(self, arrays: list[Any]) -> bool:
         """Whether one array moves as it is (a list, or a staged device array, is packed)."""
-        return len(arrays) == 1 and not (self.stages and is_cupy_array(arrays[0]))
+        return len(arrays) == 1 and (type(arrays[0]) is np.ndarray or not (
+            self.stages and is_cupy_array(arrays[0])))
 
     def fuse(self, sends: list[Any], outs: list[Any] | None, fresh: Any,
              pack: bool = True) -> tuple[Any, Any, list[Any] | None]:

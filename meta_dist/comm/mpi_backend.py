@@ -192,7 +192,7 @@ class MpiCommunicator(Communicator):
 
     def _average(self, flat: Any, op: str) -> None:
         """See ``Communicator._average``; float16's avg was divided before the sum."""
-        if flat.dtype.char not in PRESCALED_AVG:
+        if op == "avg" and flat.dtype.char not in PRESCALED_AVG:
             super()._average(flat, op)
 
     # ---------------------------------------------------------------- the pairwise reduction

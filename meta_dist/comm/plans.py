@@ -41,7 +41,8 @@ def allreduce(c: Communicator, send: Any, op: str, out: Any) -> Run:
         flat_send, flat_out, unpack_into = c.fusion.fuse(sends, outs, fresh)
         c._allreduce(flat_send, flat_out, op)
         c._average(flat_out, op)
-        c.fusion.unpack(flat_out, unpack_into)
+        if unpack_into:
+            c.fusion.unpack(flat_out, unpack_into)
         return _result(out, outs, is_list)
 
     return run
@@ -79,7 +80,8 @@ def reduce_scatter(c: Communicator, send: Any, op: str, out: Any) -> Run:
 def allgather(c: Communicator, send: Any, out: Any) -> Run:
     """Plan ``Communicator.allgather``."""
     sends, is_list = inputs(c, "allgather", send)
-    checks.check_axis0("allgather", sends)
+    for s in sends:
+        checks.check_axis0("allgather", s)
     shapes = [(s.shape[0] * c.size, *s.shape[1:]) for s in sends]
     outs, _ = outputs(c, "allgather", out, sends, shapes, is_list)
     c.traffic.count("allgather", sends)
@@ -243,8 +245,8 @@ def outputs(c: Communicator, api: str, out: Any, sends: list[Any],
     if shapes is None and ((out is sends[0] and not is_list) or (
             is_list and isinstance(out, (list, tuple)) and checks.same_arrays(list(out), sends))):
         # in place: the inputs (contiguous, or they would be copies) take the result
-        if not all(getattr(o.flags, "writeable", True) for o in sends):  # CuPy has no flag
-            for o in sends:
+        for o in sends:
+            if not getattr(o.flags, "writeable", True):  # CuPy has no flag
                 checks.check_writable(api, o)
         return sends, None
     if out is None:  # one new buffer, the outputs its views: a fused result needs no copy
@@ -273,14 +275,25 @@ class Traffic:
         n = size
         self.factor = {"allreduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
                        "allgather": (n - 1), "broadcast": 1.0, "reduce": 1.0, "send": 1.0}
-        self.calls: dict[str, int] = {}
-        self.bytes: dict[str, float] = {}
+        self._counted: dict[str, list[int]] = {}  # api -> [calls, bytes of the arrays given]
+        self.reset()
+
+    @property
+    def calls(self) -> dict[str, int]:
+        """Calls of each operation counted (those made at least once)."""
+        return {api: calls for api, (calls, _) in self._counted.items() if calls}
+
+    @property
+    def bytes(self) -> dict[str, float]:
+        """Bytes each operation moved per rank (those made at least once)."""
+        return {api: self.factor[api] * nbytes for api, (calls, nbytes) in self._counted.items()
+                if calls}
 
     def count(self, api: str, arrays: list[Any]) -> None:
         """Count one call of ``api`` on ``arrays`` (an allgather's inputs: n of them arrive)."""
-        nbytes = arrays[0].nbytes if len(arrays) == 1 else sum(map(_NBYTES, arrays))
-        self.calls[api] = self.calls.get(api, 0) + 1
-        self.bytes[api] = self.bytes.get(api, 0.0) + self.factor[api] * nbytes
+        counted = self._counted[api]
+        counted[0] += 1
+        counted[1] += arrays[0].nbytes if len(arrays) == 1 else sum(map(_NBYTES, arrays))
 
     def total(self) -> float:
         """Return the bytes counted, all operations together."""
@@ -288,5 +301,4 @@ class Traffic:
 
     def reset(self) -> None:
         """Start counting again from zero."""
-        self.calls.clear()
-        self.bytes.clear()
+        self._counted = {api: [0, 0] for api in self.factor}

@@ -57,7 +57,7 @@ def test_op_rank_and_rows():
     with pytest.raises(ValueError, match="send has 7 rows along axis 0 .* size is 4; expected"):
         checks.check_rows("reduce_scatter", [np.ones(8), np.ones(7)], 4)
     with pytest.raises(ValueError, match="allgather: send is 0-d"):
-        checks.check_axis0("allgather", [np.ones(())])
+        checks.check_axis0("allgather", np.ones(()))
     with pytest.raises(ValueError, match="reduce_scatter: send is 0-d; expected an array with "
                                          "axis 0"):
         checks.check_rows("reduce_scatter", [np.ones(())], 4)
