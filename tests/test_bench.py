@@ -70,3 +70,15 @@ def test_an_unknown_benchmark_or_a_plot_without_matplotlib_is_one_message():
                                "x.png"], cwd=ROOT, capture_output=True, text=True, timeout=60,
                               check=False)
         assert done.returncode == 2 and "pip install -e '.[bench]'" in done.stderr, done.stderr
+
+
+def test_an_option_it_cannot_use_is_one_line_for_the_job():
+    """argparse printed its usage and exited on every rank, and failfast took each exit for a
+    rank ending early: three usages, three "exits with code 2 while the job is running",
+    then MPI_Abort's banner. Now the lowest rank prints one line and the job ends with 2."""
+    result = run(3, ["-m", "meta_dist", "bench", "collectives", "--bogus"], timeout=120)
+    assert result.returncode == 2 and not result.timed_out, str(result)
+    said = [line for line in result.output.splitlines() if ": error" in line]
+    assert said == ["python -m meta_dist: error: bench collectives: unrecognized arguments: "
+                    "--bogus; --help lists the options"], str(result)
+    assert "usage:" not in result.output and "MPI_ABORT" not in result.output, str(result)

@@ -11,15 +11,32 @@ tests never time anything (tests/test_bench.py runs each one briefly for its exi
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
-from typing import Any
+from typing import Any, NoReturn
+
+from meta_dist.errors import UsageError
 
 NAMES = ("collectives", "fusion", "train", "checkpoint")
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose refusals are a UsageError: one line for the job, exit 2.
+
+    argparse's own ``error`` printed the usage and exited on every rank, and failfast took
+    each exit for a rank ending early: a usage per rank, then MPI_Abort's banner. A UsageError
+    is printed once, by the lowest rank (``meta_dist.failfast``).
+    """
+
+    def error(self, message: str) -> NoReturn:
+        """Raise UsageError naming the benchmark and ``message`` (argparse's words)."""
+        raise UsageError(f"{self.prog.removeprefix('python -m meta_dist ')}: {message}; "
+                         "--help lists the options")
+
+
 def check_counts(parser: Any, args: Any, least: dict[str, int]) -> None:
-    """Refuse, with ``parser.error`` (one line, exit 2), an option below its least value.
+    """Refuse, with ``parser.error`` (a UsageError), an option below its least value.
 
     ``least`` maps an option (``--steps``) to the smallest value it takes; None (not given)
     passes. A 0 or a negative count made a table of nan, a ZeroDivisionError, or (--min-bytes)
@@ -41,10 +58,11 @@ def check_order(parser: Any, args: Any, low: str, high: str) -> None:
 def main(argv: list[str]) -> int:
     """Run the benchmark ``argv[0]`` names with the options after it."""
     if not argv or argv[0] not in NAMES:
-        said = f"unknown benchmark {argv[0]!r}; " if argv and argv[0] not in ("-h", "--help") \
-            else ""
-        print(f"python -m meta_dist bench: {said}usage: python -m meta_dist bench "
-              f"{{{'|'.join(NAMES)}}} [options] (--help after a name lists its options)",
-              file=sys.stderr)
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+        usage = (f"usage: python -m meta_dist bench {{{'|'.join(NAMES)}}} [options] (--help "
+                 "after a name lists its options)")
+        if argv[:1] in (["-h"], ["--help"]):
+            print(usage, file=sys.stderr)
+            return 0
+        said = f"unknown benchmark {argv[0]!r}" if argv else "which benchmark?"
+        raise UsageError(f"bench: {said}; {usage}")  # one line for the job (failfast)
     return importlib.import_module(f"meta_dist.bench.{argv[0]}").main(argv[1:])

@@ -12,14 +12,13 @@ world size and level (resharding when they differ from the save). Times are the 
 ranks, best of --repeat.
 """
 
-import argparse
 import time
 from pathlib import Path
 
 import numpy as np
 
 from meta_dist import distributed as dist
-from meta_dist.bench import check_counts
+from meta_dist.bench import ArgumentParser, check_counts
 from meta_dist.config import load_config
 from meta_dist.lazy_mpi import MPI
 from meta_dist.nn.layers import Linear, ReLU
@@ -29,7 +28,7 @@ from meta_dist.train import Trainer
 
 def parse_args(argv):
     """Parse the command line."""
-    p = argparse.ArgumentParser(prog="python -m meta_dist bench checkpoint",
+    p = ArgumentParser(prog="python -m meta_dist bench checkpoint",
                                 description=__doc__.splitlines()[0])
     p.add_argument("mode", choices=("save", "load"))
     p.add_argument("dir")

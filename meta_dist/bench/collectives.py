@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from meta_dist.bench import check_counts, check_order
+from meta_dist.bench import ArgumentParser, check_counts, check_order
 from meta_dist.comm import make_communicator
 from meta_dist.connector import MPIConnector
 from meta_dist.lazy_mpi import MPI
@@ -160,7 +160,7 @@ def measure(world, calls, args):
 
 def parse_args(argv):
     """Parse the command line."""
-    p = argparse.ArgumentParser(prog="python -m meta_dist bench collectives",
+    p = ArgumentParser(prog="python -m meta_dist bench collectives",
                                 description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--min-bytes", type=int, default=4096)

@@ -34,14 +34,14 @@ import time
 
 import numpy as np
 
-from meta_dist.bench import check_counts, check_order
+from meta_dist.bench import ArgumentParser, check_counts, check_order
 from meta_dist.lazy_mpi import MPI
 from meta_dist.xp import split_buffer
 
 
 def parse_args(argv):
     """Parse the command line."""
-    p = argparse.ArgumentParser(prog="python -m meta_dist bench fusion",
+    p = ArgumentParser(prog="python -m meta_dist bench fusion",
                                 description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arrays", type=int, default=200, help="how many arrays")

@@ -52,7 +52,7 @@ import numpy as np
 
 from meta_dist import blas_threads
 from meta_dist import distributed as dist
-from meta_dist.bench import check_counts
+from meta_dist.bench import ArgumentParser, check_counts
 from meta_dist.bench.plot import check_plotting, plot_memory
 from meta_dist.bench.workloads import BATCHES, SEED, GPTWorkload, MLPWorkload, count_params
 from meta_dist.config import load_config
@@ -112,7 +112,7 @@ def meta_variant(level, work, args):
 
 def parse_args(argv):
     """Parse the command line."""
-    p = argparse.ArgumentParser(prog="python -m meta_dist bench train",
+    p = ArgumentParser(prog="python -m meta_dist bench train",
                                 description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--levels", default="0,1,2,3", help="ZeRO levels to run, e.g. 0,2 or 3")
