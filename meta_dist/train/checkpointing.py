@@ -6,7 +6,7 @@ it (Trainer.save_checkpoint, load_checkpoint, fit and a stop on a signal call it
 
 from __future__ import annotations
 
-import os
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -108,9 +108,9 @@ def check_directories(trainer: Trainer) -> None:
             what = "is a file" if existing == path else f"is inside a file, {existing}"
             problems.append(f"{key} {folder} (set in {where}) {what}; expected a directory "
                             "(it is made if missing); choose another path")
-        elif existing is not None and not os.access(existing, os.W_OK | os.X_OK):
-            problems.append(f"{key} {folder} (set in {where}): {existing} is not writable here; "
-                            "choose a writable path")
+        elif existing is not None and (refused := _cannot_create_in(existing)):
+            problems.append(f"{key} {folder} (set in {where}): nothing can be made in "
+                            f"{existing} here (mkdir: {refused}); choose a writable path")
     directory = config.train.checkpoint_dir
     if not problems and directory is not None and config.train.resume_from is None:
         root = Path(directory)
@@ -130,6 +130,19 @@ def check_directories(trainer: Trainer) -> None:
         seen = ("" if len(ranks) == len(every) else
                 f" (seen on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})")
         raise UsageError(f"fit: {mine}{seen}")
+
+
+def _cannot_create_in(folder: Path) -> str | None:
+    """Return why nothing can be made in ``folder`` (tried: a folder made and removed), or None.
+
+    Trying is the one answer that holds: access() lets root through any mode bits, and a folder
+    such as /proc grants them yet refuses every mkdir; such a path failed only at the first save.
+    """
+    try:
+        Path(tempfile.mkdtemp(prefix=".meta_dist-probe-", dir=folder)).rmdir()
+    except OSError as error:
+        return error.strerror or type(error).__name__
+    return None
 
 
 def resume(trainer: Trainer, steps_per_epoch: int) -> tuple[int, int]:

@@ -137,6 +137,11 @@ def test_the_last_step_is_saved_and_a_new_run_never_replaces_another_runs(world,
     with pytest.raises(UsageError, match="checkpoint_dir .*a_file/sub .* is inside a file, "
                                          ".*a_file; expected a directory"):
         trainer(world, 1, checkpoint_dir=f"{a_file}/sub", checkpoint_every=4).fit(x, y)
+    # /proc grants the mode bits (and root passes access() anyway), yet refuses every mkdir
+    with pytest.raises(UsageError, match=r"checkpoint_dir /proc/meta_dist-x .*: nothing can be "
+                                         r"made in /proc here \(mkdir: .*\); choose a "
+                                         r"writable path"):
+        trainer(world, 1, checkpoint_dir="/proc/meta_dist-x", checkpoint_every=4).fit(x, y)
 
 
 def test_a_resumed_run_replaces_the_checkpoint_of_its_last_step(world, shared_dir):
