@@ -170,7 +170,9 @@ class NcclCommunicator(Communicator):
         self._in_flight: deque[tuple[Any, tuple[Any, ...], str, int | None, float]] = deque()
         self._aborted = self._closing = False
         # The watchdog's probe queries NCCL from its own thread: it holds this lock, and close and
-        # abort take it to mark the communicator gone, so that it never queries one being freed
+        # abort take it to mark the communicator gone, so that it never queries one being freed;
+        # the first to mark it frees it (the watchdog's abort, on its hooks' thread, may come
+        # while close waits or destroys: ncclCommAbort and ncclCommDestroy both free it)
         self._probe_lock = threading.Lock()
         self._probe_thread: int | None = None  # the thread _oldest_unfinished made GPU current on
         watchdog = self._threads.watchdog
@@ -224,8 +226,9 @@ class NcclCommunicator(Communicator):
                 # device, whichever is current
                 with self._cupy.cuda.Device(self.device):
                     self._host_wait(mark(self._cupy, self._stream))  # watched: still probed
-                with self._probe_lock:
-                    self._closing = True
+            with self._probe_lock:  # the watchdog may have aborted it during the wait
+                self._closing = not self._aborted
+            if self._closing:
                 self._comm.destroy()
         except Exception as error:
             self._abort()
@@ -338,7 +341,7 @@ class NcclCommunicator(Communicator):
 
     def _abort(self) -> None:
         with self._probe_lock:
-            comm = None if self._aborted else self._comm
+            comm = None if self._aborted or self._closing else self._comm
             self._aborted = True
         if comm is not None:
             try:

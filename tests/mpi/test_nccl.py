@@ -404,6 +404,67 @@ def test_close_while_the_watchdog_probes_nccl(connector, gpu):
     assert not failures, f"rank {connector.rank}: the probe failed beside close: {failures}"
 
 
+class SlowTeardown:
+    """An NCCL communicator whose ncclCommAbort and ncclCommDestroy take a while, as NCCL's do:
+    the work stops at once, the freeing goes on, and CuPy zeroes its handle only on return (so
+    the other call, made meanwhile, frees the communicator again). Records such overlaps."""
+
+    def __init__(self, comm):
+        self.comm, self.busy, self.overlaps = comm, [], []
+        self.started, self.stopped = threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+
+    def abort(self):
+        self._free("ncclCommAbort", self.comm.abort)
+
+    def destroy(self):
+        self._free("ncclCommDestroy", self.comm.destroy)
+
+    def _free(self, name, call):
+        if self.busy:
+            self.overlaps.append(f"{name} during {self.busy[0]}")
+        self.busy.append(name)
+        self.started.set()
+        try:
+            call()
+            self.stopped.set()
+            time.sleep(0.2)
+        finally:
+            self.busy.remove(name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("when", ["while close waits", "while close destroys"])
+def test_the_watchdogs_abort_and_close_never_free_nccl_at_once(connector, gpu, when):
+    """The watchdog aborts the communicator (ncclCommAbort, on its hooks' thread) when a stall
+    ends the job, and close() may be waiting for the stream or destroying it on the caller's:
+    close read "not aborted" before its wait and then destroyed the communicator the abort was
+    still freeing, and an abort during destroy went ahead. NCCL frees the communicator twice
+    (use after free: a crash instead of the stall report's clean MPI_Abort)."""
+    comm = make_communicator("nccl", connector, stall_timeout=60.0)
+    abort = connector.watchdogs[-1].before_abort[-1]  # comm's, as the watchdog's hooks run it
+    nccl = comm._comm = SlowTeardown(comm._comm)
+    if when == "while close waits":
+        hook = threading.Thread(target=abort)
+        wait = comm._host_wait
+
+        def stalled_wait(done):  # the watchdog's abort stops the work close waits for
+            hook.start()
+            nccl.stopped.wait(10)
+            wait(done)
+
+        comm._host_wait = stalled_wait
+    else:
+        hook = threading.Thread(target=lambda: nccl.started.wait(10) and abort())
+        hook.start()
+    comm.close()
+    hook.join()
+    assert comm.closed
+    assert not nccl.overlaps, f"rank {connector.rank} {when}: {nccl.overlaps}"
+
+
 @pytest.mark.gpu
 @pytest.mark.mpi(min_size=2)
 def test_meta_dist_threads_touch_only_the_ranks_gpu(connector, gpu):
