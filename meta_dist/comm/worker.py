@@ -72,6 +72,7 @@ class CommThreads:
         self.trace: Any = None  # a meta_dist.trace.Trace that records every operation
         # None (the collectives) or (send|recv, peer) -> (executor, its last Future)
         self._queues: dict[Any, tuple[ThreadPoolExecutor, Future | None]] = {}
+        failfast.track_threads(self)  # a rank leaving must not finalize MPI under them
 
     def run(self, call: Callable[[], Any], api: str, peer: int | None = None,
             arrays: Any = None) -> Any:
@@ -100,6 +101,10 @@ class CommThreads:
         future = executor.submit(functools.partial(self._watched, call, api, peer, arrays))
         self._queues[key] = (executor, future)
         return Handle(future, getattr(call, "after", None))
+
+    def busy(self) -> bool:
+        """Return True while a queued call has not finished (its thread may be inside MPI)."""
+        return any(last is not None and not last.done() for _, last in self._queues.values())
 
     def _key(self, api: str, peer: int | None) -> Any:
         """The queue a call joins: None (the collectives') or (send|recv, peer)."""
