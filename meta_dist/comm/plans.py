@@ -275,30 +275,20 @@ class Traffic:
         n = size
         self.factor = {"allreduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
                        "allgather": (n - 1), "broadcast": 1.0, "reduce": 1.0, "send": 1.0}
-        self._counted: dict[str, list[int]] = {}  # api -> [calls, bytes of the arrays given]
-        self.reset()
-
-    @property
-    def calls(self) -> dict[str, int]:
-        """Calls of each operation counted (those made at least once)."""
-        return {api: calls for api, (calls, _) in self._counted.items() if calls}
-
-    @property
-    def bytes(self) -> dict[str, float]:
-        """Bytes each operation moved per rank (those made at least once)."""
-        return {api: self.factor[api] * nbytes for api, (calls, nbytes) in self._counted.items()
-                if calls}
+        self.calls: dict[str, int] = {}
+        self.bytes: dict[str, float] = {}
 
     def count(self, api: str, arrays: list[Any]) -> None:
         """Count one call of ``api`` on ``arrays`` (an allgather's inputs: n of them arrive)."""
-        counted = self._counted[api]
-        counted[0] += 1
-        counted[1] += arrays[0].nbytes if len(arrays) == 1 else sum(map(_NBYTES, arrays))
+        nbytes = arrays[0].nbytes if len(arrays) == 1 else sum(map(_NBYTES, arrays))
+        self.calls[api] = self.calls.get(api, 0) + 1
+        self.bytes[api] = self.bytes.get(api, 0.0) + self.factor[api] * nbytes
 
     def total(self) -> float:
         """Return the bytes counted, all operations together."""
         return sum(self.bytes.values())
 
     def reset(self) -> None:
-        """Start counting again from zero."""
-        self._counted = {api: [0, 0] for api in self.factor}
+        """Start counting again from zero (the same dicts: one held across steps stays live)."""
+        self.calls.clear()
+        self.bytes.clear()
