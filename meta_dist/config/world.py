@@ -58,7 +58,8 @@ def check_world(config: Config, size: int) -> None:
             f"{where}); got batch_size={batch}, size={size}"
             + (f", grad_accum_steps={micro}" if micro > 1 else "")
             + f", expected a multiple of {parts}; use batch_size={nearest}, or a rank count "
-            f"that divides {batch}"
+            + (f"that divides {batch}" if micro == 1 else
+               f"whose product with grad_accum_steps={micro} divides {batch}")
         )
 
 

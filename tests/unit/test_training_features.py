@@ -113,6 +113,7 @@ def test_a_batch_that_does_not_split_into_micro_batches():
     config = load_config({"batch_size": 64, "grad_accum_steps": 3})
     with pytest.raises(ValueError, match="batch_size does not split across 2 ranks x 3 "
                                          "micro-batches .* expected a multiple of 6; use "
-                                         "batch_size=60 or 66"):
+                                         "batch_size=60 or 66, or a rank count whose "
+                                         "product with grad_accum_steps=3 divides 64$"):
         check_world(config, 2)
     check_world(load_config({"batch_size": 60, "grad_accum_steps": 3}), 2)
