@@ -6,6 +6,7 @@ import it through the package. ``--config PATH`` and ``KEY=VALUE`` are the only 
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,8 +43,13 @@ def parse_cli(argv: Sequence[str], train_config: dict | None = None,
     words = list(argv)
     if "-h" in words or "--help" in words:
         if launcher_rank() in ("0", "?"):  # once for the job, not once per rank
-            print(_usage([w for w in words if w not in ("-h", "--help")], train_config,
-                         meta_dist_config))
+            try:
+                print(_usage([w for w in words if w not in ("-h", "--help")], train_config,
+                             meta_dist_config))
+                sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+            except BrokenPipeError:  # `--help | head` stopped reading: not an error of ours
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                raise SystemExit(1) from None
         raise SystemExit(0)
     return _split_words(words)
 

@@ -597,6 +597,27 @@ def test_help_shows_what_this_run_would_use_and_the_scripts_name(tmp_path, capsy
         assert f"\n  {line}\n" in out, line
 
 
+def test_help_into_a_closed_pipe_ends_quietly():
+    """``dist_example.py --help | head``: the reader has gone; exit 1, no BrokenPipeError
+    traceback (there was one, from the print of the usage)."""
+    import os
+    import subprocess
+    import sys
+
+    script = Path(__file__).parents[2] / "scripts" / "distributed" / "dist_example.py"
+    read, write = os.pipe()
+    os.close(read)  # the reader left before the first line: every write fails
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    try:
+        for unbuffered in ({}, {"PYTHONUNBUFFERED": "1"}):  # a shell's default, and ours in CI
+            done = subprocess.run([sys.executable, str(script), "--help"], stdout=write,
+                                  stderr=subprocess.PIPE, text=True, timeout=120,
+                                  env={**env, **unbuffered})
+            assert done.returncode == 1 and done.stderr == "", (unbuffered, done.stderr)
+    finally:
+        os.close(write)
+
+
 def test_parse_cli_feeds_load_config(tmp_path):
     path = write(tmp_path, "meta_dist_config:\n  zero_opt_level: 1\n")
     cfg = load_config({"lr": 0.2}, {"seed": 1}, *parse_cli(["--config", path, "seed=5"]))
