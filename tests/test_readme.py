@@ -12,8 +12,8 @@ Open MPI's own flags (--hostfile, -H, --oversubscribe, --bind-to, --allow-run-as
 under Open MPI, MPICH's (``mpiexec -f``) under MPICH. The first two commands (set up and run,
 then the test suite) are CI's to run: .ci/run runs them word for word in a fresh clone. The
 benchmarks (``python -m meta_dist bench ...``) run with ``-m readme_bench``, which .ci/run also
-runs; those that compare with PyTorch skip without it. The API tour's first block runs on 2
-ranks.
+runs; those that compare with PyTorch skip without it. The API tour's first block runs on 1
+and 2 ranks.
 """
 
 import os
@@ -119,10 +119,12 @@ def test_readme_command_runs(command, layout):
     assert "Traceback" not in output, output
 
 
-def test_the_api_tour_runs_on_two_ranks(tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_api_tour_runs_on_one_and_two_ranks(tmp_path, ranks):
+    """One rank too: its point-to-point lines sent to peer 1, which one rank does not have."""
     tour = tmp_path / "tour.py"
     tour.write_text(blocks("python")[0])
-    result = run(2, [str(tour)], timeout=120)
+    result = run(ranks, [str(tour)], timeout=120)
     assert result.returncode == 0, str(result)
 
 
