@@ -30,7 +30,7 @@ class Trace:
     """Events of one rank, kept in memory until ``write``.
 
     Args:
-        folder: where ``write`` puts ``trace-rank{rank}.json`` (created if missing).
+        folder: where ``write`` puts ``trace-rank{rank:05d}.json`` (created if missing).
         rank: this rank; the events' process id, so each rank is one track.
         host: shown in the track's name.
     """
