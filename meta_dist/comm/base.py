@@ -68,7 +68,7 @@ class Communicator(ABC):
         self.connector, self.rank, self.size = connector, connector.rank, connector.size
         if check is None:
             check = os.environ.get("META_DIST_CHECK", "1").strip().lower() not in (
-                "0", "false", "no", "")
+                "0", "false", "no", "off", "")
         self.check = check
         self.stall_timeout = stall_timeout = resolve_stall_timeout(stall_timeout)
         thread_level = MPI.Query_thread()  # async calls need THREAD_MULTIPLE

@@ -326,6 +326,19 @@ def test_without_the_per_call_check_a_mismatch_still_surfaces(connector, differs
         comm.close()
 
 
+@pytest.mark.parametrize(("value", "check"), [("0", False), ("off", False), ("OFF", False),
+                                             ("no", False), ("1", True), ("on", True)])
+def test_meta_dist_check_takes_the_words_that_turn_it_off(connector, monkeypatch, value, check):
+    """META_DIST_CHECK=off left the per-call check on (only 0, false and no turned it off),
+    where META_DIST_CUDA_AWARE_MPI=off is off."""
+    monkeypatch.setenv("META_DIST_CHECK", value)
+    comm = make_communicator("mpi", connector)
+    try:
+        assert comm.check is check
+    finally:
+        comm.close()
+
+
 def test_mpi_errors_without_the_check_say_how_to_see_which_ranks_differ():
     from mpi4py import MPI
 
