@@ -149,6 +149,19 @@ def test_the_gpt_script_refuses_what_it_would_ignore(words, expected):
     assert_one_message(result, *expected)
 
 
+@pytest.mark.parametrize("words, expected", [
+    (["dropout=0.5"], ["train_config.dropout (set in command line)",
+                       "not used by dist_example.py"]),
+    (["n_layer=12", "eval_every=2"], ["train_config.n_layer", "eval_every",
+                                      "not used by dist_example.py"]),
+])
+def test_the_cnn_script_refuses_what_it_would_ignore(words, expected):
+    """dist_example.py trains a small CNN: the GPT's shape or dropout given to it was ignored
+    without a word (train_gpt.py already refused dist_example's data keys)."""
+    result = run(2, [EXAMPLE, "n_epoch=1", "n_mini_batch=2", *words], timeout=120)
+    assert_one_message(result, *expected)
+
+
 def test_a_mistake_alone_is_one_message_without_mpirun():
     done = subprocess.run([sys.executable, EXAMPLE, "zero_opt_levle=1"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, check=False)

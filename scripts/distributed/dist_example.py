@@ -41,6 +41,18 @@ meta_dist_config = {
     "enable_data_parallel": True,
     "zero_opt_level": 0,
 }
+UNUSED_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "eval_every")  # the GPT's
+
+
+def check_keys(config):
+    """Raise UsageError for a key this script would ignore (train_gpt.py's model and
+    evaluation keys)."""
+    given = [f"train_config.{key} (set in {config.sources[f'train_config.{key}']})"
+             for key in UNUSED_KEYS
+             if config.sources.get(f"train_config.{key}", "default") != "default"]
+    if given:
+        raise UsageError(f"{', '.join(given)}: not used by dist_example.py, which trains a "
+                         "small CNN; remove it (train_gpt.py takes the GPT's shape)")
 
 
 def check_image_shape(config):
@@ -121,6 +133,7 @@ def main(argv):
                          *parse_cli(argv, train_config, meta_dist_config))
     dctx = dist.init(backend=config.dist.backend)
     check_world(config, dctx.size)
+    check_keys(config)
     check_image_shape(config)
     hosts = dctx.connector.allgather(dctx.connector.host)
     if dctx.rank == dctx.root_rank:
