@@ -72,6 +72,20 @@ def test_an_unknown_benchmark_or_a_plot_without_matplotlib_is_one_message():
         assert done.returncode == 2 and "pip install -e '.[bench]'" in done.stderr, done.stderr
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torch") is not None,
+                    reason="torch is installed: --torch has what it needs")
+def test_torch_without_torch_is_one_line_for_the_job():
+    """The README's `bench train --levels 0,2,3 --torch` without the bench extra ended in a
+    ModuleNotFoundError traceback on every rank."""
+    result = run(2, ["-m", "meta_dist", "bench", "train", "--torch"], timeout=120)
+    assert result.returncode == 2 and not result.timed_out, str(result)
+    said = [line for line in result.output.splitlines() if ": error" in line]
+    assert said == ["python -m meta_dist: error: bench train: --torch needs torch, which comes "
+                    "with the bench extra: pip install -e '.[bench]'; --help lists the "
+                    "options"], str(result)
+    assert "Traceback" not in result.output, str(result)
+
+
 def test_an_option_it_cannot_use_is_one_line_for_the_job():
     """argparse printed its usage and exited on every rank, and failfast took each exit for a
     rank ending early: three usages, three "exits with code 2 while the job is running",

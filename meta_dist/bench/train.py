@@ -45,6 +45,7 @@ both ranks on one core, and then every exchange waits a whole time slice.
 import argparse
 import gc
 import importlib
+import importlib.util
 import resource
 import time
 
@@ -159,6 +160,8 @@ def parse_args(argv):
                            "--depth": 1, "--batch": 1})
     if args.plot and (problem := check_plotting(args.plot)):
         p.error(problem)
+    if args.torch and importlib.util.find_spec("torch") is None:
+        p.error("--torch needs torch, which comes with the bench extra: pip install -e '.[bench]'")
     try:
         args.levels = [int(level) for level in args.levels.split(",") if level]
     except ValueError:
