@@ -212,10 +212,10 @@ class Trainer:
         same steps) runs before the first step, every ``eval_every`` steps and after the last.
 
         Raises:
-            UsageError: the ranks hold different data; fewer samples than one batch; the
-                warmup is longer than the run; checkpoint_dir or trace cannot be
-                written; checkpoint_dir holds another run's checkpoints and resume_from is not
-                set (checked before the first step).
+            UsageError: the ranks hold different data; x and y differ in length; fewer
+                samples than one batch; the warmup is longer than the run; checkpoint_dir or
+                trace cannot be written; checkpoint_dir holds another run's checkpoints and
+                resume_from is not set (checked before the first step).
             CheckpointError: the checkpoint to resume from cannot be used.
             TrainingStopped: on every rank after the step at which some rank caught SIGTERM
                 or SIGINT (a checkpoint written first where ``checkpoint_dir`` is set); it
@@ -223,6 +223,9 @@ class Trainer:
         """
         tcfg = self.config.train
         check_same_data(x, y, self.context.connector.allgather)
+        if len(y) != len(x):  # the same data on every rank: every rank says it
+            raise UsageError(f"fit: x and y differ in length; got {len(x)} samples and "
+                             f"{len(y)} labels, expected one label per sample")
         if len(x) < tcfg.batch_size:  # the same data on every rank: every rank says it
             where = self.config.sources.get("train_config.batch_size", "code")
             raise UsageError(

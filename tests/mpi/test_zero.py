@@ -710,6 +710,19 @@ def test_data_that_differs_between_ranks_is_refused_on_every_rank(contexts):
     np.testing.assert_array_equal(trainer.stage.full_params(), before)
 
 
+def test_labels_that_do_not_match_the_samples_are_refused_before_the_first_step(contexts):
+    """One label short: an IndexError on the rank whose batch reached past y's end, steps
+    into the epoch. Now every rank refuses it before the first step."""
+    world, _ = contexts
+    x, y, loss_fn = data("deep", "float32")
+    trainer = trainer_on(world, "deep", half_config(0, "fp32", n_epoch=1), "float32", loss_fn)
+    before = trainer.stage.full_params().copy()
+    with pytest.raises(UsageError, match=rf"fit: x and y differ in length; got {len(x)} "
+                                         rf"samples and {len(x) - 1} labels"):
+        trainer.fit(x, y[:-1])
+    np.testing.assert_array_equal(trainer.stage.full_params(), before)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_fp16_overflow_skips_the_same_step_on_every_rank(contexts):
     """An infinite input feature on the last rank at step 2 leaves the loss finite (the first
