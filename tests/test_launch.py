@@ -18,6 +18,19 @@ def test_ping_pong_exact():
     assert "max error 0.0, mean error 0.0" in result.output, str(result)
 
 
+def test_ping_pong_on_cuda_without_a_gpu_is_one_message():
+    """--device cuda imported cupy first: without it, a ModuleNotFoundError traceback on
+    every rank."""
+    from meta_dist.xp import gpu_count
+
+    if gpu_count():
+        pytest.skip("a GPU is visible here: --device cuda runs")
+    result = run(2, ["scripts/distributed/ping_pong.py", "--device", "cuda"], timeout=120)
+    assert result.returncode == 2, str(result)
+    assert "no CUDA device is visible" in result.output, str(result)
+    assert "Traceback" not in result.output, str(result)
+
+
 def test_exception_on_one_rank_aborts_job_with_traceback():
     start = time.monotonic()
     result = run(4, ["tests/scripts/raise_on_rank1.py"], timeout=120)

@@ -28,10 +28,10 @@ def main() -> int:
         return 2
     xp = np
     if args.device == "cuda":
-        import cupy as xp
-
         from meta_dist.xp import select_device
-        select_device(dctx.local_rank)
+        select_device(dctx.local_rank)  # without a GPU or cupy: one line saying what to do
+
+        import cupy as xp
 
     sent = xp.asarray(np.random.default_rng(0).standard_normal(args.numel).astype(np.float16))
     received = xp.empty_like(sent)
