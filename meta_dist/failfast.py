@@ -35,6 +35,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from meta_dist.env import env_flag
 from meta_dist.errors import USAGE_EXIT, UsageError
 from meta_dist.launcher import launcher_rank
 
@@ -172,7 +173,7 @@ MISTAKE_GRACE_S = 5.0  # how long a failing rank waits to hear which others fail
 
 
 def _debug() -> bool:
-    return os.environ.get("META_DIST_DEBUG", "") not in ("", "0")
+    return env_flag("META_DIST_DEBUG")
 
 
 def _program() -> str:

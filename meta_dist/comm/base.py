@@ -10,7 +10,6 @@ A backend implements only the primitives.
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +23,7 @@ from meta_dist.comm.fusion import Fusion
 from meta_dist.comm.streams import CommStream
 from meta_dist.comm.worker import CommThreads, Handle
 from meta_dist.connector import MPIConnector
+from meta_dist.env import env_flag
 from meta_dist.lazy_mpi import MPI
 from meta_dist.watchdog import DEFAULT_STALL_TIMEOUT_S, resolve_stall_timeout
 from meta_dist.xp import data_ptr, is_cupy_array
@@ -67,8 +67,7 @@ class Communicator(ABC):
                  stall_timeout: float | None = DEFAULT_STALL_TIMEOUT_S) -> None:
         self.connector, self.rank, self.size = connector, connector.rank, connector.size
         if check is None:
-            check = os.environ.get("META_DIST_CHECK", "1").strip().lower() not in (
-                "0", "false", "no", "off", "")
+            check = env_flag("META_DIST_CHECK", default=True)
         self.check = check
         self.stall_timeout = stall_timeout = resolve_stall_timeout(stall_timeout)
         thread_level = MPI.Query_thread()  # async calls need THREAD_MULTIPLE
@@ -324,9 +323,8 @@ class Communicator(ABC):
         contiguous copies) lands there.
         """
         arrays = args[0]
-        first = None if type(arrays) is np.ndarray else (  # the common case: one type test
-            arrays[0] if isinstance(arrays, (list, tuple)) and arrays else arrays)
-        if first is None or not is_cupy_array(first):
+        first = arrays[0] if isinstance(arrays, (list, tuple)) and arrays else arrays
+        if type(first) is np.ndarray or not is_cupy_array(first):  # numpy: one type test
             run = make(self, *args)
             return run if advise is None else advised(run, advise)
         with first.device:

@@ -20,7 +20,6 @@ exchange starts to pay; ``PAIRWISE_MIN_BYTES`` holds the answer.
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 from typing import Any
 
@@ -29,6 +28,7 @@ import numpy as np
 from meta_dist.comm.base import Communicator
 from meta_dist.comm.checks import DTYPES
 from meta_dist.connector import MPIConnector
+from meta_dist.env import env_flag
 from meta_dist.lazy_mpi import MPI
 from meta_dist.xp import array_module, data_ptr, gpu_count, is_cupy_array, select_device
 
@@ -62,8 +62,7 @@ P2P_TAG, EXCHANGE_TAG = 0, 1
 
 def cuda_aware_requested() -> bool:
     """Return True when META_DIST_CUDA_AWARE_MPI says the MPI library takes device pointers."""
-    value = os.environ.get(ENV_CUDA_AWARE, "").strip().lower()
-    return value not in ("", "0", "false", "no", "off")
+    return env_flag(ENV_CUDA_AWARE)
 
 
 class MpiCommunicator(Communicator):

@@ -1,7 +1,8 @@
 """Imports point one way: connector <- watchdog <- comm <- zero <- train; nn, optim, config, xp
 are leaves.
 
-meta_dist.errors (the UsageError) imports nothing and may be imported from anywhere.
+meta_dist.errors (the UsageError) and meta_dist.env (the on/off switches) import nothing and
+may be imported from anywhere.
 """
 
 import ast
@@ -9,9 +10,11 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "meta_dist"
 
+ANYWHERE = ("meta_dist.errors", "meta_dist.env")  # a UsageError, a switch: from any module
 # module (or package prefix) -> meta_dist modules it may import
 ALLOWED = {
     "meta_dist.errors": set(),
+    "meta_dist.env": set(),
     "meta_dist.xp": set(),
     "meta_dist.launcher": set(),
     "meta_dist.config": {"meta_dist.config", "meta_dist.launcher"},
@@ -68,8 +71,8 @@ def test_imports_follow_the_layers():
         if allowed is None:
             continue
         for imported in imports_of(path):
-            if not imported.startswith("meta_dist") or imported == "meta_dist.errors":
-                continue  # every module may raise a UsageError
+            if not imported.startswith("meta_dist") or imported in ANYWHERE:
+                continue
             if not any(imported == a or imported.startswith(a + ".") for a in allowed):
                 wrong.append(f"{name} imports {imported}")
     assert not wrong, "layering violated:\n" + "\n".join(wrong)
