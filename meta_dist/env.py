@@ -15,6 +15,7 @@ def env_flag(name: str, default: bool = False) -> bool:
 
     Unset gives ``default``; empty, 0, false, no and off (any case, spaces ignored) are off;
     any other value is on.
+
     META_DIST_DEBUG=false once turned debugging on, and META_DIST_CHECK=off left the check on:
     each switch read its own words.
     """

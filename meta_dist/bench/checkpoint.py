@@ -29,7 +29,7 @@ from meta_dist.train import Trainer
 def parse_args(argv):
     """Parse the command line."""
     p = ArgumentParser(prog="python -m meta_dist bench checkpoint",
-                                description=__doc__.splitlines()[0])
+                       description=__doc__.splitlines()[0])
     p.add_argument("mode", choices=("save", "load"))
     p.add_argument("dir")
     p.add_argument("--level", type=int, default=2)

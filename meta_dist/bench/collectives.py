@@ -161,8 +161,8 @@ def measure(world, calls, args):
 def parse_args(argv):
     """Parse the command line."""
     p = ArgumentParser(prog="python -m meta_dist bench collectives",
-                                description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__.splitlines()[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--min-bytes", type=int, default=4096)
     p.add_argument("--max-bytes", type=int, default=64 * 2**20)
     p.add_argument("--factor", type=int, default=4, help="size multiplier between rows")

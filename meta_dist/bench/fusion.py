@@ -42,8 +42,8 @@ from meta_dist.xp import split_buffer
 def parse_args(argv):
     """Parse the command line."""
     p = ArgumentParser(prog="python -m meta_dist bench fusion",
-                                description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__.splitlines()[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arrays", type=int, default=200, help="how many arrays")
     p.add_argument("--min-numel", type=int, default=100)
     p.add_argument("--max-numel", type=int, default=5000)

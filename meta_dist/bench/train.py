@@ -114,8 +114,8 @@ def meta_variant(level, work, args):
 def parse_args(argv):
     """Parse the command line."""
     p = ArgumentParser(prog="python -m meta_dist bench train",
-                                description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__.splitlines()[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--levels", default="0,1,2,3", help="ZeRO levels to run, e.g. 0,2 or 3")
     p.add_argument("--steps", type=int, default=30, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per variant")

@@ -82,7 +82,7 @@ class CommThreads:
         this thread once the call has finished.
         """
         failfast.note_progress()
-        queued = self._queues.get(None if peer is None else self._key(api, peer))
+        queued = self._queues.get(self._key(api, peer))
         if queued is not None and queued[1] is not None and not queued[1].done():
             return self.start(call, api, peer, arrays).wait()
         result = self._watched(call, api, peer, arrays)
