@@ -77,7 +77,8 @@ def build_cnn(input_shape, num_classes, xp, dtype, seed):
 
 
 def load_data(config):
-    """Return (x, y) to train on and (x, y) held out (None for a user's .npz: all trains)."""
+    """Return (x, y) to train on and (x, y) held out: 20% of any source (none of 2 samples or
+    fewer, where 20% rounds to 0)."""
     tcfg, seed = config.train, config.dist.seed
     if tcfg.data_path:
         where = f"train_config.data_path (set in {config.sources['train_config.data_path']})"
@@ -92,8 +93,7 @@ def load_data(config):
                              "reshape the data (one channel: x.reshape(len(x), 1, H, W))")
         check_samples(x, y, tcfg.input_shape, tcfg.num_classes, tcfg.batch_size,
                       f"{where} {tcfg.data_path}")
-        return x, y, None, None
-    if tcfg.dataset == "digits":
+    elif tcfg.dataset == "digits":
         x, y = load_digits()
         x = x.astype(tcfg.dtype)
     else:  # fake images labelled by a reference CNN of the same shape (another seed); the
@@ -148,7 +148,7 @@ def main(argv):
     model = build_cnn(tuple(tcfg.input_shape), tcfg.num_classes, xp, tcfg.dtype,
                       config.dist.seed)
     trainer = Trainer(model, config, context=dctx)
-    trainer.fit(x, y, evaluate=None if x_out is None else Accuracy(trainer, x_out, y_out))
+    trainer.fit(x, y, evaluate=Accuracy(trainer, x_out, y_out) if len(y_out) else None)
     lines = dctx.connector.allgather(format_memory(trainer.predicted_memory(),
                                                    trainer.memory_report(), meter.growth()))
     if dctx.rank == dctx.root_rank:
