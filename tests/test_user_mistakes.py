@@ -164,6 +164,19 @@ def test_the_cnn_script_refuses_what_it_would_ignore(words, expected):
     assert_one_message(result, *expected)
 
 
+@pytest.mark.parametrize("numel, expected", [
+    ("0", "--numel: got 0; expected a number >= 1"),
+    ("-3", "--numel: got -3; expected a number >= 1"),
+    ("many", "argument --numel: invalid int value: 'many'"),
+])
+def test_ping_pong_refuses_a_count_it_cannot_send(numel, expected):
+    """--numel 0 was a max() of nothing, a negative count numpy's "negative dimensions", each
+    a traceback; a word was argparse's usage on every rank, then MPI_Abort's banner."""
+    result = run(2, ["scripts/distributed/ping_pong.py", "--numel", numel], timeout=120)
+    line = assert_one_message(result, expected, "--help lists the options")
+    assert line.startswith("ping_pong.py: error: ") and line.count("ping_pong.py") == 1, line
+
+
 def test_a_mistake_alone_is_one_message_without_mpirun():
     done = subprocess.run([sys.executable, EXAMPLE, "zero_opt_levle=1"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, check=False)

@@ -30,9 +30,13 @@ class ArgumentParser(argparse.ArgumentParser):
     """
 
     def error(self, message: str) -> NoReturn:
-        """Raise UsageError naming the benchmark and ``message`` (argparse's words)."""
-        raise UsageError(f"{self.prog.removeprefix('python -m meta_dist ')}: {message}; "
-                         "--help lists the options")
+        """Raise UsageError naming the benchmark and ``message`` (argparse's words).
+
+        A script's own parser (ping_pong.py) leaves its name out: failfast's line starts with it.
+        """
+        command = self.prog.removeprefix("python -m meta_dist ")
+        where = f"{command}: " if command != self.prog else ""
+        raise UsageError(f"{where}{message}; --help lists the options")
 
 
 def check_counts(parser: Any, args: Any, least: dict[str, int]) -> None:

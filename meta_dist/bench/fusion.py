@@ -54,7 +54,7 @@ def parse_args(argv):
     p.add_argument("--no-check", action="store_true", help="set META_DIST_CHECK=0")
     args = p.parse_args(argv)
     check_counts(p, args, {"--arrays": 1, "--min-numel": 1, "--rounds": 1, "--per-block": 1,
-                           "--warmup": 0})
+                           "--warmup": 0, "--seed": 0})
     check_order(p, args, "--min-numel", "--max-numel")
     return args
 

@@ -170,12 +170,13 @@ def parse_args(argv):
         p.error("--levels: expected ZeRO levels among 0, 1, 2, 3, comma-separated (e.g. 0,2), "
                 "or '' with --torch")
     try:
-        args.gpt = tuple(int(n) for n in args.gpt.split(","))
-        if len(args.gpt) != 4:
-            raise ValueError
+        gpt = tuple(int(n) for n in args.gpt.split(","))
     except ValueError:
-        p.error(f"--gpt {args.gpt}: expected four integers N_LAYER,N_HEAD,N_EMBD,BLOCK_SIZE, "
-                "e.g. 2,2,64,32")
+        gpt = ()
+    if len(gpt) != 4 or min(gpt) < 1:  # a 0 or a negative: a traceback from the GPT's layers
+        p.error(f"--gpt {args.gpt}: expected N_LAYER,N_HEAD,N_EMBD,BLOCK_SIZE, four integers "
+                ">= 1, e.g. 2,2,64,32")
+    args.gpt = gpt
     return args
 
 

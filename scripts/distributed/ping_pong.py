@@ -6,20 +6,22 @@ Rank 0 prints the max and mean error between what it sent and what came back; bo
 exactly 0 (the exit code is 1 otherwise). Ranks above 1 take no part.
 """
 
-import argparse
 import sys
 
 import numpy as np
 
 import meta_dist
 from meta_dist import distributed as dist
+from meta_dist.bench import ArgumentParser, check_counts
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # the benchmarks' parser: a mistake is one line for the job (exit 2), not a usage per rank
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=2048)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
+    check_counts(parser, args, {"--numel": 1})  # 0: max() of nothing; < 0: numpy's traceback
 
     dctx = dist.get_context()
     if dctx.size < 2:

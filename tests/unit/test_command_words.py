@@ -63,6 +63,12 @@ def test_trace_merge_names_a_file_that_is_cut_off(tmp_path, capsys):
     ("train", ["--batch", "0"], "--batch: got 0; expected a number >= 1"),
     ("train", ["--depth", "0"], "--depth: got 0; expected a number >= 1"),
     ("checkpoint", ["save", "ckpt", "--repeat", "0"], "--repeat: got 0; expected a number >= 1"),
+    ("fusion", ["--seed", "-1"], "--seed: got -1; expected a number >= 0"),
+    ("train", ["--gpt", "2,0,64,32"],
+     "--gpt 2,0,64,32: expected N_LAYER,N_HEAD,N_EMBD,BLOCK_SIZE, four integers >= 1"),
+    ("train", ["--gpt", "2,2,-64,32"],
+     "--gpt 2,2,-64,32: expected N_LAYER,N_HEAD,N_EMBD,BLOCK_SIZE, four integers >= 1"),
+    ("train", ["--gpt", "2,2"], "--gpt 2,2: expected N_LAYER,N_HEAD,N_EMBD,BLOCK_SIZE"),
     ("train", ["--plot", "/no/such/folder/memory.png"],
      "--plot: the folder of /no/such/folder/memory.png does not exist (/no/such/folder)"),
 ])
@@ -72,8 +78,10 @@ def test_a_benchmark_names_the_option_it_cannot_use(module, argv, says, capsys):
     --min-bytes 0 looped for ever, --steps or --blocks 0 ended in a ZeroDivisionError after
     the runs, --blocks 0 (collectives) printed a table of nan as 'all results right', --batch
     0 ran 256, --depth 0 ran one hidden layer labelled 784-10, --repeat 0 an
-    UnboundLocalError, and --max-bytes under --min-bytes an IndexError. A --plot into a
-    missing folder failed with FileNotFoundError after the whole benchmark had run."""
+    UnboundLocalError, and --max-bytes under --min-bytes an IndexError; --gpt with a 0 or a
+    negative count was a traceback from the GPT's layers, --seed -1 one from numpy (fusion),
+    and --gpt 2,2 was blamed as "--gpt (2, 2)". A --plot into a missing folder failed with
+    FileNotFoundError after the whole benchmark had run."""
     parse_args = importlib.import_module(f"meta_dist.bench.{module}").parse_args
     with pytest.raises(UsageError) as refused:
         parse_args(argv)
