@@ -28,6 +28,9 @@ def test_each_benchmark_runs_under_mpirun(name):
     assert summary in result.output, str(result)
     if name in ("collectives", "fusion"):
         assert "right" in result.output.splitlines()[-1] and "WRONG" not in result.output
+    if name == "train":  # without --torch no torch runs: the header said "torch on gloo"
+        header = [line for line in result.output.splitlines() if line.startswith("# 2 ranks")]
+        assert len(header) == 1 and "torch" not in header[0], str(result)
 
 
 def test_the_checkpoint_benchmark_saves_then_loads(tmp_path):

@@ -240,9 +240,11 @@ def main(argv):
     if rank == 0:
         with deferred():  # shapes only
             params = count_params(work.meta_model())
-        torch_backend = "nccl" if args.device == "cuda" else "gloo"
+        # torch's process group only when torch runs (--torch): the header names what ran
+        torch_on = (f", torch on {'nccl' if args.device == 'cuda' else 'gloo'}" if args.torch
+                    else "")
         print(f"# {size} ranks, {work.describe()} ({params / 1e6:.2f}M params)"
-              f", Adam, {args.precision}, {args.device}, torch on {torch_backend}"
+              f", Adam, {args.precision}, {args.device}{torch_on}"
               f", global batch {glob} ({local}/rank), overlap_comm="
               f"{getattr(args, 'resolved_overlap', args.overlap)}, bucket {args.bucket_mb:g} MiB, "
               f"1 thread/rank; {args.steps} steps "
