@@ -185,6 +185,21 @@ def test_dist_example_trains_on_a_users_npz(tmp_path):
     assert found == ["0", "6"], str(result)
 
 
+def test_dist_example_trains_on_all_of_a_small_npz(tmp_path):
+    """A file with one global batch but not one after 20% held out: all of it trains, no
+    accuracy (holding out would make fit refuse the file's 16 samples as 13)."""
+    import numpy as np
+
+    x = np.random.default_rng(0).standard_normal((16, 3, 8, 8)).astype(np.float32)
+    path = tmp_path / "data.npz"
+    np.savez(path, x=x, y=(x.mean(axis=(1, 2, 3)) > 0).astype(np.int64))
+    result = run(2, ["scripts/distributed/dist_example.py", f"data_path={path}",
+                     "input_shape=[3, 8, 8]", "num_classes=2", "batch_size=16", "n_epoch=2"],
+                 timeout=180)
+    assert result.returncode == 0, str(result)
+    assert len(epoch_losses(result.output)) == 2 and "held-out" not in result.output
+
+
 @pytest.fixture(scope="module")
 def saved_at_4_ranks(tmp_path_factory):
     """A checkpoint written by 4 ranks at ZeRO level 2, mid-epoch (step 3 of 8)."""
