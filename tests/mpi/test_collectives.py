@@ -181,6 +181,8 @@ def test_reduce_scatter(reducer, connector, dtype, op):
         part = buf[comm.rank * m:(comm.rank + 1) * m]
         comm.reduce_scatter(buf, op, out=part)  # in place: my rows of the send buffer
         assert_matches(part, ref, comm.size)
+        mine = np.s_[comm.rank * m:(comm.rank + 1) * m]  # the other rows are left as they were
+        assert np.delete(buf, mine).tobytes() == np.delete(inputs[comm.rank], mine).tobytes()
 
 
 def test_reduce_scatter_rows(comm):
