@@ -32,7 +32,7 @@ def parse_args(argv):
                        description=__doc__.splitlines()[0])
     p.add_argument("mode", choices=("save", "load"))
     p.add_argument("dir")
-    p.add_argument("--level", type=int, default=2)
+    p.add_argument("--level", type=int, choices=(0, 1, 2, 3), default=2)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--repeat", type=int, default=3)

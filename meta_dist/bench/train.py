@@ -176,6 +176,10 @@ def parse_args(argv):
     if len(gpt) != 4 or min(gpt) < 1:  # a 0 or a negative: a traceback from the GPT's layers
         p.error(f"--gpt {args.gpt}: expected N_LAYER,N_HEAD,N_EMBD,BLOCK_SIZE, four integers "
                 ">= 1, e.g. 2,2,64,32")
+    if gpt[2] % gpt[1]:  # each head takes N_EMBD / N_HEAD channels
+        p.error(f"--gpt {args.gpt}: N_HEAD ({gpt[1]}) must divide N_EMBD ({gpt[2]})")
+    if args.bucket_mb <= 0:
+        p.error(f"--bucket-mb: got {args.bucket_mb:g}; expected a number > 0")
     args.gpt = gpt
     return args
 
