@@ -3,8 +3,9 @@
 Leaf package: imports numpy, the standard library and meta_dist.errors only (no MPI), so
 ``python -m meta_dist.checkpoint info PATH`` and ``... consolidate PATH OUT.npz`` run anywhere.
 The trainer (``train.checkpointing``) writes and reads through ``save_shard``, ``commit`` and
-``Reader``. files.py names, checksums, writes and finds checkpoints; reader.py reads them by
-parameter name; cli.py is the command line (``__main__.py`` runs it).
+``Reader``, and holds ``checkpoint_dir`` with ``hold``. files.py names, checksums, writes and
+finds checkpoints; reader.py reads them by parameter name; lock.py keeps a second job out of a
+checkpoint_dir; cli.py is the command line (``__main__.py`` runs it).
 
 A checkpoint is a directory ``step-00000042`` under ``checkpoint_dir``:
 - ``rank00003.<what>.npy`` for each rank and each of ``params`` (fp32, the master under mixed
@@ -20,7 +21,8 @@ and renames the directory, so a checkpoint either is complete or does not exist,
 ``latest`` names the newest complete one (the last saved, which after a resume from an older
 one is not the highest step). ``keep_last`` prunes the oldest saves, never the newest.
 Resuming maps every element through its parameter's name and index, so the shards may be cut
-any other way (another world size, level, bucket size).
+any other way (another world size, level, bucket size). While a job trains, its rank 0 holds
+``.lock`` in ``checkpoint_dir`` (flock): a second job there is refused at its start.
 """
 
 from meta_dist.checkpoint.cli import consolidate, info
@@ -41,22 +43,26 @@ from meta_dist.checkpoint.files import (
     shard_file,
     step_name,
 )
+from meta_dist.checkpoint.lock import LOCK, DirectoryInUse, hold
 from meta_dist.checkpoint.reader import Reader, check_same_model
 
 __all__ = [
     "BUFFERS",
     "FORMAT",
     "LATEST",
+    "LOCK",
     "MANIFEST",
     "STEP_PREFIX",
     "TMP_PREFIX",
     "CheckpointError",
     "Checksum",
+    "DirectoryInUse",
     "Reader",
     "check_same_model",
     "clear",
     "commit",
     "consolidate",
+    "hold",
     "info",
     "resolve",
     "save_buffers",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
@@ -86,13 +86,18 @@ def _manifest(trainer: Trainer,
     }
 
 
-def check_directories(trainer: Trainer) -> None:
+def check_directories(trainer: Trainer) -> TextIO | None:
     """Raise UsageError on every rank if fit could not write its files, or would replace others.
 
-    Collective, before any step. A new run (no resume_from) in a checkpoint_dir that holds
-    complete checkpoints would replace those of its step numbers and prune the rest: refused,
-    not lost. A checkpoint_dir or trace folder that is a file or not writable would fail only
-    at the first save, after the steps before it.
+    Collective, before any step. A checkpoint_dir another job trains in is refused: each would
+    remove the other's saves under way. A new run (no resume_from) in a checkpoint_dir that
+    holds complete checkpoints would replace those of its step numbers and prune the rest:
+    refused, not lost. A checkpoint_dir or trace folder that is a file or not writable would
+    fail only at the first save, after the steps before it.
+
+    Returns:
+        checkpoint_dir's lock (``checkpoint.hold``) on the root rank; close it when fit ends.
+        None on the other ranks, without a checkpoint_dir, or where flock is not supported.
     """
     config = trainer.config
     folders = {"train_config.checkpoint_dir": config.train.checkpoint_dir,
@@ -111,7 +116,10 @@ def check_directories(trainer: Trainer) -> None:
         elif existing is not None and (refused := _cannot_create_in(existing)):
             problems.append(f"{key} {folder} (set in {where}): nothing can be made in "
                             f"{existing} here (mkdir: {refused}); choose a writable path")
-    directory = config.train.checkpoint_dir
+    directory, lock = config.train.checkpoint_dir, None
+    if not problems and directory is not None and trainer.context.rank == trainer.context.root_rank:
+        lock, problem = _lock(directory, config.sources.get("train_config.checkpoint_dir", "code"))
+        problems += [problem] if problem else []
     if not problems and directory is not None and config.train.resume_from is None:
         root = Path(directory)
         found = sorted(p.name for p in root.glob(f"{checkpoint.STEP_PREFIX}*")
@@ -126,10 +134,28 @@ def check_directories(trainer: Trainer) -> None:
     every = trainer.context.connector.allgather(problems[0] if problems else None)
     mine = next((p for p in every if p), None)
     if mine is not None:
+        if lock is not None:
+            lock.close()
         ranks = [r for r, p in enumerate(every) if p]
         seen = ("" if len(ranks) == len(every) else
                 f" (seen on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})")
         raise UsageError(f"fit: {mine}{seen}")
+    return lock
+
+
+def _lock(directory: str, where: str) -> tuple[TextIO | None, str | None]:
+    """Hold checkpoint_dir ``directory`` (rank 0); return (its lock, None) or (None, why not)."""
+    try:
+        return checkpoint.hold(directory), None
+    except checkpoint.DirectoryInUse as error:
+        return None, (f"train_config.checkpoint_dir {directory} (set in {where}) is in use by "
+                      f"another job ({error.holder} holds {error.directory / checkpoint.LOCK}); "
+                      "expected one job per checkpoint_dir: choose another checkpoint_dir, or "
+                      "wait for that job to end")
+    except OSError as error:
+        return None, (f"train_config.checkpoint_dir {directory} (set in {where}): cannot make "
+                      f"its lock file {checkpoint.LOCK} ({error.strerror or error}); choose a "
+                      "writable path")
 
 
 def _cannot_create_in(folder: Path) -> str | None:

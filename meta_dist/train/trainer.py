@@ -215,7 +215,8 @@ class Trainer:
             UsageError: the ranks hold different data; x and y differ in length; fewer
                 samples than one batch; the warmup is longer than the run; checkpoint_dir or
                 trace cannot be written; checkpoint_dir holds another run's checkpoints and
-                resume_from is not set (checked before the first step).
+                resume_from is not set, or another job trains in it (checked before the first
+                step; rank 0 holds checkpoint_dir's ``.lock`` until fit returns).
             CheckpointError: the checkpoint to resume from cannot be used.
             TrainingStopped: on every rank after the step at which some rank caught SIGTERM
                 or SIGINT (a checkpoint written first where ``checkpoint_dir`` is set); it
@@ -244,7 +245,17 @@ class Trainer:
                 f"fit: train_config.warmup_steps is longer than the run (set in {where}); got "
                 f"warmup_steps={tcfg.warmup_steps}, expected at most {self.total_steps} "
                 f"({run}); shorten the warmup or train longer")
-        checkpointing.check_directories(self)
+        lock = checkpointing.check_directories(self)  # rank 0 holds checkpoint_dir till the end
+        try:
+            return self._fit(x, y, sampler, evaluate)
+        finally:
+            if lock is not None:  # a killed job's lock goes with its process
+                lock.close()
+
+    def _fit(self, x: np.ndarray, y: np.ndarray, sampler: DistributedSampler,
+             evaluate: Callable[[int], None] | None) -> list[float]:
+        """Run fit from its resume (if any) to its end, once its inputs are checked."""
+        tcfg = self.config.train
         first_epoch, skip = checkpointing.resume(self, sampler.steps_per_epoch)
         self.model.train()
         self.signals = StopSignals()

@@ -144,6 +144,40 @@ def test_the_last_step_is_saved_and_a_new_run_never_replaces_another_runs(world,
         trainer(world, 1, checkpoint_dir="/proc/meta_dist-x", checkpoint_every=4).fit(x, y)
 
 
+def test_a_checkpoint_dir_another_job_trains_in_is_refused(world, shared_dir):
+    """Two jobs in one checkpoint_dir: each save's commit removed every .tmp-step-N, the other
+    job's save under way too, and each overwrote the other's latest. While another job holds
+    the directory (its rank 0's lock, here taken on rank 0 as that job would), a new run and a
+    resume from it are refused on every rank before any step, its files untouched; once that
+    job has ended, a resume goes ahead."""
+    x, y = data()
+    trainer(world, 1, checkpoint_dir=shared_dir, checkpoint_every=4).fit(x, y)
+    under_way = Path(shared_dir) / f"{checkpoint.TMP_PREFIX}00000002"  # the other job's save
+    other = checkpoint.hold(shared_dir) if world.rank == 0 else None
+    if world.rank == 0:
+        (under_way / "rank00000.params.npy").parent.mkdir()
+        (under_way / "rank00000.params.npy").write_bytes(b"being written")
+    world.connector.barrier()
+    for train in ({"checkpoint_every": 3}, {"resume_from": "latest"}):
+        again = trainer(world, 1, checkpoint_dir=shared_dir, **train)
+        before = again.stage.full_params().copy()
+        with pytest.raises(UsageError, match=r"fit: train_config.checkpoint_dir \S+ \(set in "
+                                             r"script\) is in use by another job \(pid \d+ on "
+                                             r"host .*\.lock\); expected one job per "
+                                             r"checkpoint_dir: choose another checkpoint_dir, "
+                                             r"or wait for that job to end"):
+            again.fit(x, y)
+        np.testing.assert_array_equal(again.stage.full_params(), before)  # no step taken
+    assert under_way.is_dir()
+    if other is not None:
+        other.close()  # that job ended
+    world.connector.barrier()
+    resumed = trainer(world, 1, checkpoint_dir=shared_dir, resume_from="latest",
+                      checkpoint_every=4, max_steps=8)
+    resumed.fit(x, y)  # from step 6; its save of step 8 removes what is now a cut-off save
+    assert resumed.steps_done == 8 and not under_way.exists()
+
+
 def test_a_resumed_run_replaces_the_checkpoint_of_its_last_step(world, shared_dir):
     """Resumed from step 4 of a run that saved steps 4 and 6, with another lr: its own step 6
     replaces the old one and ``latest`` names it (the old step 6 was kept, its state and lr

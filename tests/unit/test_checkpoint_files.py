@@ -107,3 +107,29 @@ def test_a_damaged_latest_falls_back_to_the_newest_complete_checkpoint(tmp_path)
     final = save(tmp_path, 6, keep_last=3)
     (tmp_path / "latest").write_bytes(b"\xff\xfe step")
     assert checkpoint.resolve(tmp_path) == final
+
+
+def test_a_checkpoint_dir_is_held_by_one_job_and_freed_when_it_dies(tmp_path):
+    """Two jobs in one checkpoint_dir removed each other's saves under way (a commit removes
+    every .tmp-step-N): the second is refused, naming the holder. A holder killed with SIGKILL
+    (no cleanup) leaves the lock file but not the lock: the next job goes ahead."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time\nfrom meta_dist import checkpoint\n"
+            "lock = checkpoint.hold(sys.argv[1])\nprint('held', flush=True)\ntime.sleep(300)\n")
+    other = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "ck")],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline() == "held\n"
+        with pytest.raises(checkpoint.DirectoryInUse,
+                           match=rf"is in use by another job \(pid {other.pid} on host "):
+            checkpoint.hold(tmp_path / "ck")
+    finally:
+        other.kill()
+        other.wait(timeout=60)
+        other.stdout.close()
+    assert (tmp_path / "ck" / checkpoint.LOCK).is_file()
+    lock = checkpoint.hold(tmp_path / "ck")
+    assert lock is not None and not lock.closed
+    lock.close()
