@@ -17,18 +17,32 @@ from typing import BinaryIO
 
 import numpy as np
 
-from meta_dist.checkpoint.files import LATEST, MANIFEST, STEP_PREFIX, TMP_PREFIX, CheckpointError
+from meta_dist.checkpoint.files import (
+    BUFFERS,
+    LATEST,
+    MANIFEST,
+    STEP_PREFIX,
+    TMP_PREFIX,
+    CheckpointError,
+)
 from meta_dist.checkpoint.reader import Reader
 from meta_dist.errors import USAGE_EXIT, UsageError
 
 
 def info(path: str | Path) -> str:
-    """Return a human-readable summary of a checkpoint.
+    """Return a human-readable summary of a checkpoint, once its files are found whole.
+
+    Every file the manifest names is opened and its length compared (``Reader.check_files``;
+    the buffers, small, checksummed too), so that a checkpoint that resume would refuse is not
+    reported as fine; the shards' checksums are not read (that reads every byte).
 
     Raises:
-        CheckpointError: no checkpoint there, or its manifest is not a meta_dist manifest.
+        CheckpointError: no checkpoint there, its manifest is not a meta_dist manifest, or a
+            file it names is missing, cut short or damaged.
     """
     reader = Reader(path)
+    reader.check_files()
+    _check_buffers(reader)
     m = reader.manifest
     numel = sum(p["numel"] for p in m["params"])
     try:
@@ -47,6 +61,17 @@ def info(path: str | Path) -> str:
                               f"({MANIFEST} has no {error}); expected the manifest a save "
                               "wrote") from None
     return "\n".join(lines)
+
+
+def _check_buffers(reader: Reader) -> None:
+    """Raise CheckpointError unless buffers.npz holds each buffer the manifest lists, checked."""
+    saved = reader.buffers()
+    listed = [b.get("name") for b in reader.manifest.get("buffers") or [] if isinstance(b, dict)]
+    missing = [name for name in listed if name not in saved]
+    if missing:
+        raise CheckpointError(f"checkpoint: {reader.path / BUFFERS} lacks {', '.join(missing)}, "
+                              f"which {MANIFEST} lists; it was cut or replaced after the save: "
+                              "use another checkpoint")
 
 
 def consolidate(path: str | Path, out: str | Path, optimizer: bool = False) -> Path:

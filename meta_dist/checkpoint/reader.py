@@ -97,6 +97,25 @@ class Reader:
         whats = ["params", *self.manifest["optimizer"]["state"]]
         return [(rank, what) for what in whats for rank in range(len(self.manifest["shards"]))]
 
+    def check_files(self) -> None:
+        """Check that every rank's file is there and whole: its header read, its length counted.
+
+        No checksum (that reads every byte: ``check``); a file cut short, or one of another
+        length, is found from its header and size alone against the manifest's shard ranges.
+
+        Raises:
+            CheckpointError: a file is missing, unreadable, or not the length the manifest gives.
+        """
+        for rank, what in self.files():
+            array = self.open(rank, what)
+            want = sum(stop - start for start, stop in self.manifest["shards"][rank])
+            if array.size != want:
+                path = shard_file(self.path, rank, what)
+                raise CheckpointError(
+                    f"checkpoint: {path} holds {array.size} elements; expected {want} (rank "
+                    f"{rank}'s shards in {MANIFEST}): it was cut or replaced after the save: "
+                    "use another checkpoint")
+
     def check(self, rank: int, what: str) -> None:
         """Open rank ``rank``'s file ``what`` and compare it with its checksum now.
 

@@ -234,11 +234,9 @@ def _open_checked(trainer: Trainer,
         checkpoint.check_same_model(reader, {param_name(trainer.model, s): s.shape
                                              for s in stage.flat.slots})
         _check_optimizer(reader, stage.optimizer)
-        files = reader.files()
-        for rank, what in files:  # every file there and readable, on every rank
-            reader.open(rank, what)
+        reader.check_files()  # every file there and whole, on every rank
         me, size = context.rank, context.size
-        for rank, what in files[me::size]:  # each checksum read once, shared out
+        for rank, what in reader.files()[me::size]:  # each checksum read once, shared out
             reader.check(rank, what)
         buffers = reader.buffers() if me == context.root_rank else None
         _check_buffers(reader, trainer.model, buffers)

@@ -181,6 +181,51 @@ def test_info_of_another_file_says_to_pass_its_directory(saved, capsys):
                     f"a checkpoint_dir holding some; pass its directory, {saved}")
 
 
+def cut_short(shard):
+    shard.write_bytes(shard.read_bytes()[:-7])  # a copy or a disk that ran out
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda shard: shard.unlink(), "is missing; expected every rank's files (2 ranks wrote one "
+                                   "each): copy the whole checkpoint directory"),
+    (cut_short, "is not a readable .npy file ("),  # numpy's words follow
+    (lambda shard: np.save(shard, np.zeros(7, np.float32)),  # whole, but not rank 1's 8
+     "holds 7 elements; expected 8 (rank 1's shards in manifest.json): it was cut or replaced "
+     "after the save: use another checkpoint"),
+])
+def test_info_finds_a_shard_that_is_missing_or_not_whole(saved, capsys, damage, says):
+    """info read the manifest alone: a checkpoint with a shard missing or cut short was
+    summarised with exit code 0, and failed only when a job resumed from it. Every file the
+    manifest names is now opened and its length counted (no checksum: that reads every byte)."""
+    assert main(["info", str(saved)]) == 0
+    good = capsys.readouterr().out
+    shard = checkpoint.shard_file(saved, 1, "exp_avg")
+    damage(shard)
+    line = one_line_usage_error(capsys, ["info", str(saved)])
+    assert line.startswith(f"checkpoint: {shard} {says}"), line
+    assert line.endswith(("copy the whole checkpoint directory", "truncated or corrupt",
+                          "use another checkpoint")), line
+    assert capsys.readouterr().out == ""
+    with pytest.raises(checkpoint.CheckpointError, match=says[:20]):
+        checkpoint.info(saved.parent)  # through the checkpoint_dir's latest too
+    assert good.startswith(f"checkpoint {saved}\n  step 8 ")
+
+
+def test_info_finds_batchnorm_statistics_missing(tmp_path, capsys):
+    stats = {"1.BatchNorm.running_mean": np.zeros(2, np.float32),
+             "1.BatchNorm.running_var": np.ones(2, np.float32)}
+    step = write_checkpoint(tmp_path / "ck", stats)
+    np.savez(step / checkpoint.BUFFERS, **{"1.BatchNorm.running_mean": np.zeros(2, np.float32)})
+    line = one_line_usage_error(capsys, ["info", str(step)])
+    assert line == (f"checkpoint: {step / checkpoint.BUFFERS} lacks 1.BatchNorm.running_var, "
+                    "which manifest.json lists; it was cut or replaced after the save: use "
+                    "another checkpoint"), line
+    (step / checkpoint.BUFFERS).unlink()
+    line = one_line_usage_error(capsys, ["info", str(step)])
+    assert line.startswith(f"checkpoint: {step / checkpoint.BUFFERS} is not a readable .npz "
+                           "file ("), line
+
+
 def test_shards_that_leave_elements_out_are_refused(saved, tmp_path, capsys):
     """Rank 1's entry deleted from "shards": elements [8, 12) of the weight and all of the bias
     are in no file. consolidate used to write np.empty's garbage there, with exit code 0."""
