@@ -6,6 +6,7 @@ it (Trainer.save_checkpoint, load_checkpoint, fit and a stop on a signal call it
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -86,7 +87,7 @@ def _manifest(trainer: Trainer,
     }
 
 
-def check_directories(trainer: Trainer) -> TextIO | None:
+def check_directories(trainer: Trainer) -> contextlib.AbstractContextManager:
     """Raise UsageError on every rank if fit could not write its files, or would replace others.
 
     Collective, before any step. A checkpoint_dir another job trains in is refused: each would
@@ -96,8 +97,9 @@ def check_directories(trainer: Trainer) -> TextIO | None:
     fail only at the first save, after the steps before it.
 
     Returns:
-        checkpoint_dir's lock (``checkpoint.hold``) on the root rank; close it when fit ends.
-        None on the other ranks, without a checkpoint_dir, or where flock is not supported.
+        What holds checkpoint_dir's lock (``checkpoint.hold``) until it is closed (fit's end; a
+        killed job's lock goes with its process): on the root rank, where flock is supported;
+        else a context that holds nothing.
     """
     config = trainer.config
     folders = {"train_config.checkpoint_dir": config.train.checkpoint_dir,
@@ -140,7 +142,7 @@ def check_directories(trainer: Trainer) -> TextIO | None:
         seen = ("" if len(ranks) == len(every) else
                 f" (seen on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})")
         raise UsageError(f"fit: {mine}{seen}")
-    return lock
+    return lock if lock is not None else contextlib.nullcontext()
 
 
 def _lock(directory: str, where: str) -> tuple[TextIO | None, str | None]:

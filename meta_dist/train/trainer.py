@@ -245,12 +245,8 @@ class Trainer:
                 f"fit: train_config.warmup_steps is longer than the run (set in {where}); got "
                 f"warmup_steps={tcfg.warmup_steps}, expected at most {self.total_steps} "
                 f"({run}); shorten the warmup or train longer")
-        lock = checkpointing.check_directories(self)  # rank 0 holds checkpoint_dir till the end
-        try:
+        with checkpointing.check_directories(self):  # rank 0 holds checkpoint_dir's lock
             return self._fit(x, y, sampler, evaluate)
-        finally:
-            if lock is not None:  # a killed job's lock goes with its process
-                lock.close()
 
     def _fit(self, x: np.ndarray, y: np.ndarray, sampler: DistributedSampler,
              evaluate: Callable[[int], None] | None) -> list[float]:
