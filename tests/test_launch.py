@@ -165,11 +165,11 @@ def test_thread_levels_must_agree():
     assert "mpi4py.rc.thread_level" in result.output, str(result)
 
 
-def test_dist_example_trains_on_a_users_npz(tmp_path):
+def train_on_npz(tmp_path, samples):
+    """Run dist_example on a file of ``samples`` 3x8x8 images in two classes (batch 16)."""
     import numpy as np
 
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((64, 3, 8, 8)).astype(np.float32)
+    x = np.random.default_rng(0).standard_normal((samples, 3, 8, 8)).astype(np.float32)
     path = tmp_path / "data.npz"
     np.savez(path, x=x, y=(x.mean(axis=(1, 2, 3)) > 0).astype(np.int64))
     result = run(2, ["scripts/distributed/dist_example.py", f"data_path={path}",
@@ -178,6 +178,11 @@ def test_dist_example_trains_on_a_users_npz(tmp_path):
     assert result.returncode == 0, str(result)
     assert re.search(rf"^  data_path += {re.escape(str(path))} ", result.output, re.M), str(result)
     assert len(epoch_losses(result.output)) == 2
+    return result
+
+
+def test_dist_example_trains_on_a_users_npz(tmp_path):
+    result = train_on_npz(tmp_path, 64)
     # the docstring's promise: 20% of the file held out, as of the digits (13 of 64 samples;
     # 51 train, 3 steps an epoch), its accuracy printed before and after training
     found = re.findall(r"^held-out accuracy [\d.]+ \(13 samples\) after step (\d+)$",
@@ -188,16 +193,7 @@ def test_dist_example_trains_on_a_users_npz(tmp_path):
 def test_dist_example_trains_on_all_of_a_small_npz(tmp_path):
     """A file with one global batch but not one after 20% held out: all of it trains, no
     accuracy (holding out would make fit refuse the file's 16 samples as 13)."""
-    import numpy as np
-
-    x = np.random.default_rng(0).standard_normal((16, 3, 8, 8)).astype(np.float32)
-    path = tmp_path / "data.npz"
-    np.savez(path, x=x, y=(x.mean(axis=(1, 2, 3)) > 0).astype(np.int64))
-    result = run(2, ["scripts/distributed/dist_example.py", f"data_path={path}",
-                     "input_shape=[3, 8, 8]", "num_classes=2", "batch_size=16", "n_epoch=2"],
-                 timeout=180)
-    assert result.returncode == 0, str(result)
-    assert len(epoch_losses(result.output)) == 2 and "held-out" not in result.output
+    assert "held-out" not in train_on_npz(tmp_path, 16).output
 
 
 @pytest.fixture(scope="module")
