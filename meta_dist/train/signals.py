@@ -49,8 +49,13 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
+            previous = {number: signal.getsignal(number) for number in CAUGHT}
+            self._previous = dict(previous)  # known before a handler of ours can run
             for number in CAUGHT:
-                self._previous[number] = signal.signal(number, self._caught)
+                signal.signal(number, self._caught)
+            if self.received:  # caught between the installs: that restore missed the later ones
+                self._previous = previous
+                self._restore()
         return self
 
     def __exit__(self, *exc: object) -> None:
