@@ -46,6 +46,7 @@ import argparse
 import gc
 import importlib
 import importlib.util
+import math
 import resource
 import time
 
@@ -178,8 +179,8 @@ def parse_args(argv):
                 ">= 1, e.g. 2,2,64,32")
     if gpt[2] % gpt[1]:  # each head takes N_EMBD / N_HEAD channels
         p.error(f"--gpt {args.gpt}: N_HEAD ({gpt[1]}) must divide N_EMBD ({gpt[2]})")
-    if args.bucket_mb <= 0:
-        p.error(f"--bucket-mb: got {args.bucket_mb:g}; expected a number > 0")
+    if not 0 < args.bucket_mb < math.inf:  # nan and inf too: the config refuses them
+        p.error(f"--bucket-mb: got {args.bucket_mb:g}; expected a finite number > 0")
     args.gpt = gpt
     return args
 

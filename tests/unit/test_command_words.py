@@ -70,7 +70,9 @@ def test_trace_merge_names_a_file_that_is_cut_off(tmp_path, capsys):
      "--gpt 2,2,-64,32: expected N_LAYER,N_HEAD,N_EMBD,BLOCK_SIZE, four integers >= 1"),
     ("train", ["--gpt", "2,2"], "--gpt 2,2: expected N_LAYER,N_HEAD,N_EMBD,BLOCK_SIZE"),
     ("train", ["--gpt", "2,3,64,32"], "--gpt 2,3,64,32: N_HEAD (3) must divide N_EMBD (64)"),
-    ("train", ["--bucket-mb", "0"], "--bucket-mb: got 0; expected a number > 0"),
+    ("train", ["--bucket-mb", "0"], "--bucket-mb: got 0; expected a finite number > 0"),
+    ("train", ["--bucket-mb", "nan"], "--bucket-mb: got nan; expected a finite number > 0"),
+    ("train", ["--bucket-mb", "inf"], "--bucket-mb: got inf; expected a finite number > 0"),
     ("checkpoint", ["save", "ckpt", "--level", "5"], "argument --level: invalid choice: 5"),
     ("train", ["--plot", "/no/such/folder/memory.png"],
      "--plot: the folder of /no/such/folder/memory.png does not exist (/no/such/folder)"),
@@ -84,8 +86,8 @@ def test_a_benchmark_names_the_option_it_cannot_use(module, argv, says, capsys):
     UnboundLocalError, and --max-bytes under --min-bytes an IndexError; --gpt with a 0 or a
     negative count was a traceback from the GPT's layers, --seed -1 one from numpy (fusion),
     and --gpt 2,2 was blamed as "--gpt (2, 2)"; --gpt 2,3,64,32 was a traceback from the
-    attention layer, --bucket-mb 0 and checkpoint --level 5 were blamed on a 'script dict'
-    after MPI had started. A --plot into a missing folder failed with
+    attention layer, --bucket-mb 0 (and nan or inf) and checkpoint --level 5 were blamed on
+    a 'script dict' after MPI had started. A --plot into a missing folder failed with
     FileNotFoundError after the whole benchmark had run."""
     parse_args = importlib.import_module(f"meta_dist.bench.{module}").parse_args
     with pytest.raises(UsageError) as refused:
