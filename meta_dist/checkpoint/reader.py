@@ -132,7 +132,12 @@ class Reader:
         self._checked.add((rank, what))
 
     def buffers(self) -> dict[str, np.ndarray]:
-        """Return the saved buffers ({name: array}; empty for a model without any), checked."""
+        """Return the saved buffers ({name: array}; empty for a model without any), checked.
+
+        Raises:
+            CheckpointError: buffers.npz is unreadable, lacks a buffer the manifest lists, or
+                does not match its checksums.
+        """
         if not self.manifest.get("buffers"):
             return {}
         path = self.path / BUFFERS
@@ -145,6 +150,12 @@ class Reader:
         except (ValueError, OSError, KeyError) as error:
             raise CheckpointError(f"checkpoint: {path} is not a readable .npz file ({error}); "
                                   "it is truncated or corrupt") from None
+        listed = [b.get("name") for b in self.manifest["buffers"] if isinstance(b, dict)]
+        missing = [str(name) for name in listed if name not in arrays]
+        if missing:
+            raise CheckpointError(f"checkpoint: {path} lacks {', '.join(missing)}, which "
+                                  f"{MANIFEST} lists; it was cut or replaced after the save: "
+                                  "use another checkpoint")
         for name, a in arrays.items():
             want = self.manifest["checksums"].get(f"{BUFFERS}/{name}")
             if want is not None and _checksum(a, want.split(":")[0]) != want:

@@ -296,6 +296,16 @@ def test_batchnorm_statistics_resume_as_rank_0_saved_them(world, shared_dir):
     plain = trainer(world, 2)  # the same checkpoint for a model without BatchNorm: refused
     with pytest.raises(CheckpointError, match="holds another model"):
         plain.load_checkpoint(shared_dir)
+    # buffers.npz cut to one of the two: it was blamed on the model ("build the model the
+    # checkpoint was saved from"), which is the right one; the file is what changed
+    world.connector.barrier()
+    if world.rank == 0:
+        saved = checkpoint.resolve(shared_dir) / checkpoint.BUFFERS
+        np.savez(saved, **{"1.BatchNorm.running_mean": rank0["1.BatchNorm.running_mean"]})
+    world.connector.barrier()
+    with pytest.raises(CheckpointError, match=r"buffers.npz lacks 1.BatchNorm.running_var, "
+                                              r"which manifest.json lists; it was cut"):
+        bn_trainer(resume_from=shared_dir).load_checkpoint(shared_dir)
 
 
 def test_bad_checkpoints_fail_on_every_rank_before_anything_changes(world, shared_dir):

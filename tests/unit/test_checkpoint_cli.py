@@ -220,6 +220,10 @@ def test_info_finds_batchnorm_statistics_missing(tmp_path, capsys):
     assert line == (f"checkpoint: {step / checkpoint.BUFFERS} lacks 1.BatchNorm.running_var, "
                     "which manifest.json lists; it was cut or replaced after the save: use "
                     "another checkpoint"), line
+    # consolidate read buffers.npz as it found it: the model's .npz lacked running_var, exit 0
+    line = one_line_usage_error(capsys, ["consolidate", str(step), str(tmp_path / "m.npz")])
+    assert "lacks 1.BatchNorm.running_var, which manifest.json lists" in line, line
+    assert not (tmp_path / "m.npz").exists()
     (step / checkpoint.BUFFERS).unlink()
     line = one_line_usage_error(capsys, ["info", str(step)])
     assert line.startswith(f"checkpoint: {step / checkpoint.BUFFERS} is not a readable .npz "
