@@ -210,7 +210,10 @@ def _report_once(message: str, code: int) -> None:
             raise RuntimeError("MPI_Init would abort")
         from mpi4py import MPI  # starts MPI if the mistake came first: every rank does
     except Exception:  # no MPI here, or one that cannot start: a process alone
-        _say(message)
+        rank = launcher_rank()
+        if rank not in ("0", "?"):  # every rank fails alike: rank 0's line, and the end of
+            time.sleep(MISTAKE_GRACE_S)  # the job for its exit code (mpirun), come first
+        _say(message, "" if rank in ("0", "?") else f" on rank {rank}")
         _leave(code)
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
