@@ -152,7 +152,7 @@ class TrainConfig(_Validated):
         dtype: ``float32`` or ``float64`` for parameters, gradients and optimizer state.
         data_path: An ``.npz`` file with arrays ``x`` and ``y``; None means ``dataset``.
             Relative paths are taken from the working directory; dist_example holds 20% out,
-            as it does of ``dataset``.
+            as it does of ``dataset`` (unless the rest would hold less than one batch).
         dataset: Without data_path: ``synthetic`` (images labelled by a reference model of
             the same shape) or ``digits`` (1797 real handwritten 8x8 digits; input_shape
             [1, 8, 8]); dist_example holds 20% out and reports the accuracy on them.

@@ -6,9 +6,10 @@ The dicts below are this script's defaults: synthetic images labelled by a refer
 same shape. ``--config configs/digits.yaml`` trains on 1797 real handwritten digits instead; a
 YAML file (--config) and KEY=VALUE words override the defaults (e.g. ``zero_opt_level=1
 optimizer=adam lr=0.001``). Rank 0 prints the training and distribution config, the mean loss
-of every epoch, the accuracy on held-out samples (20%, never trained on) before and after
-training, and per rank the memory its ZeRO level should hold (from the partition plan), what it
-holds, and its measured peak growth since before the model was built.
+of every epoch, the accuracy on held-out samples (20%, never trained on; none for a data_path
+file whose other 80% would hold less than one global batch, which trains whole) before and
+after training, and per rank the memory its ZeRO level should hold (from the partition plan),
+what it holds, and its measured peak growth since before the model was built.
 """
 
 import sys
