@@ -122,6 +122,18 @@ def check_directories(trainer: Trainer) -> contextlib.AbstractContextManager:
     if not problems and directory is not None and trainer.context.rank == trainer.context.root_rank:
         lock, problem = _lock(directory, config.sources.get("train_config.checkpoint_dir", "code"))
         problems += [problem] if problem else []
+    try:  # an interrupt in the allgather below must not leave the lock held in this process
+        return _agree(trainer, problems, lock)
+    except BaseException:
+        if lock is not None:
+            lock.close()
+        raise
+
+
+def _agree(trainer: Trainer, problems: list[str],
+           lock: TextIO | None) -> contextlib.AbstractContextManager:
+    """Add a new run's refusal, then raise every rank's first problem on every rank. Collective."""
+    config, directory = trainer.config, trainer.config.train.checkpoint_dir
     if not problems and directory is not None and config.train.resume_from is None:
         root = Path(directory)
         found = sorted(p.name for p in root.glob(f"{checkpoint.STEP_PREFIX}*")
@@ -136,8 +148,6 @@ def check_directories(trainer: Trainer) -> contextlib.AbstractContextManager:
     every = trainer.context.connector.allgather(problems[0] if problems else None)
     mine = next((p for p in every if p), None)
     if mine is not None:
-        if lock is not None:
-            lock.close()
         ranks = [r for r, p in enumerate(every) if p]
         seen = ("" if len(ranks) == len(every) else
                 f" (seen on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})")

@@ -178,6 +178,29 @@ def test_a_checkpoint_dir_another_job_trains_in_is_refused(world, shared_dir):
     assert resumed.steps_done == 8 and not under_way.exists()
 
 
+def test_an_interrupt_in_the_directory_checks_leaves_no_lock(world, shared_dir, monkeypatch):
+    """Ctrl-C while the ranks agree on the directory checks (their allgather, after rank 0 took
+    the lock): the lock stayed open in the traceback's frame, and a second fit in this process
+    (an interactive rerun) was refused as "in use by another job" with its own pid."""
+    real = world.connector.allgather
+
+    def interrupted(value):
+        if value is None:  # check_directories' agreement (no problem here)
+            raise KeyboardInterrupt
+        return real(value)
+
+    x, y = data()
+    monkeypatch.setattr(world.connector, "allgather", interrupted)
+    with pytest.raises(KeyboardInterrupt) as caught:  # keeps the traceback, as a REPL does
+        trainer(world, 1, checkpoint_dir=shared_dir).fit(x, y)
+    monkeypatch.setattr(world.connector, "allgather", real)
+    lock = checkpoint.hold(shared_dir) if world.rank == 0 else None  # free again
+    assert caught.value is not None
+    if lock is not None:
+        lock.close()
+    world.connector.barrier()
+
+
 def test_a_resumed_run_replaces_the_checkpoint_of_its_last_step(world, shared_dir):
     """Resumed from step 4 of a run that saved steps 4 and 6, with another lr: its own step 6
     replaces the old one and ``latest`` names it (the old step 6 was kept, its state and lr
