@@ -47,7 +47,8 @@ def hold(directory: str | Path) -> TextIO | None:
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    stream = (directory / LOCK).open("a+")  # not "w": that would empty a holder's line
+    # not "w": that would empty a holder's line; bytes not UTF-8 (a damaged file) name it anyway
+    stream = (directory / LOCK).open("a+", errors="replace")
     try:
         fcntl.flock(stream, fcntl.LOCK_EX | fcntl.LOCK_NB)  # never waits: a refusal is at once
     except OSError as error:

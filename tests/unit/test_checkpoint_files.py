@@ -133,3 +133,24 @@ def test_a_checkpoint_dir_is_held_by_one_job_and_freed_when_it_dies(tmp_path):
     lock = checkpoint.hold(tmp_path / "ck")
     assert lock is not None and not lock.closed
     lock.close()
+
+
+def test_a_lock_file_of_other_bytes_still_names_its_holder(tmp_path):
+    """Bytes that are not UTF-8 in a held .lock (another tool's, a damaged file) were a
+    UnicodeDecodeError on rank 0 before the ranks compared their problems."""
+    import subprocess
+    import sys
+
+    (tmp_path / checkpoint.LOCK).write_bytes(b"\xff\xfe held")
+    code = ("import fcntl, sys, time\nf = open(sys.argv[1], 'rb')\n"
+            "fcntl.flock(f, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(300)\n")
+    other = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / checkpoint.LOCK)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline() == "held\n"
+        with pytest.raises(checkpoint.DirectoryInUse, match="is in use by another job"):
+            checkpoint.hold(tmp_path)
+    finally:
+        other.kill()
+        other.wait(timeout=60)
+        other.stdout.close()
