@@ -155,8 +155,7 @@ class TrainConfig(_Validated):
             as it does of ``dataset`` (unless the rest would hold less than one batch).
         dataset: Without data_path: ``synthetic`` (images labelled by a reference model of
             the same shape) or ``digits`` (1797 real handwritten 8x8 digits; input_shape
-            [1, 8, 8]); dist_example holds 20% out and reports the accuracy on them
-            (unless the rest would hold less than one batch).
+            [1, 8, 8]); dist_example holds 20% out and reports the accuracy on them.
         log_every: Print the loss every this many mini-batches.
         precision: ``fp32``, or ``fp16``/``bf16`` mixed precision: the layers compute with
             16-bit working copies of the parameters, the optimizer updates fp32 master copies

@@ -6,10 +6,10 @@ The dicts below are this script's defaults: synthetic images labelled by a refer
 same shape. ``--config configs/digits.yaml`` trains on 1797 real handwritten digits instead; a
 YAML file (--config) and KEY=VALUE words override the defaults (e.g. ``zero_opt_level=1
 optimizer=adam lr=0.001``). Rank 0 prints the training and distribution config, the mean loss
-of every epoch, the accuracy on held-out samples (20%, never trained on; none where the other
-80% would hold less than one global batch: then all of it trains) before and after training,
-and per rank the memory its ZeRO level should hold (from the partition plan), what it holds,
-and its measured peak growth since before the model was built.
+of every epoch, the accuracy on held-out samples (20%, never trained on; none for a data_path
+file whose other 80% would hold less than one global batch: all of it trains) before and after
+training, and per rank the memory its ZeRO level should hold (from the partition plan), what it
+holds, and its measured peak growth since before the model was built.
 """
 
 import sys
@@ -79,8 +79,8 @@ def build_cnn(input_shape, num_classes, xp, dtype, seed):
 
 
 def load_data(config):
-    """Return (x, y) to train on and (x, y) held out: 20% of any source (none where the other
-    80% would hold less than one global batch)."""
+    """Return (x, y) to train on and (x, y) held out: 20% of any source (none of a data_path
+    file whose other 80% would hold less than one global batch)."""
     tcfg, seed = config.train, config.dist.seed
     if tcfg.data_path:
         where = f"train_config.data_path (set in {config.sources['train_config.data_path']})"
@@ -107,8 +107,8 @@ def load_data(config):
                                         seed=seed, dtype=tcfg.dtype, teacher=teacher.forward)
         return x[:n], y[:n], x[n:], y[n:]
     train, out = held_out(len(x), HELD_OUT, seed)
-    if len(train) < tcfg.batch_size:  # a file that holds one batch, not one besides 20% out:
-        return x, y, x[:0], y[:0]  # all of it trains (fit's refusal would blame the file)
+    if tcfg.data_path and len(train) < tcfg.batch_size:  # a file of one batch, not one besides
+        return x, y, x[:0], y[:0]  # 20% out: all of it trains (fit would blame the file)
     return x[train], y[train], x[out], y[out]
 
 
