@@ -205,11 +205,8 @@ def _report_once(message: str, code: int) -> None:
     rank read), the ranks leave together through the normal exit (no abort); else the job ends
     by MPI_Abort(code).
     """
-    try:
-        if not _mpi_can_start():
-            raise RuntimeError("MPI_Init would abort")
-        from mpi4py import MPI  # starts MPI if the mistake came first: every rank does
-    except Exception:  # no MPI here, or one that cannot start: a process alone
+    MPI = _started_mpi()  # starts MPI if the mistake came first: every rank does
+    if MPI is None:  # no MPI here, or one that cannot start: a process alone
         rank = launcher_rank()
         if rank not in ("0", "?"):  # every rank fails alike: rank 0's line, and the end of
             time.sleep(MISTAKE_GRACE_S)  # the job for its exit code (mpirun), come first
@@ -339,18 +336,22 @@ def end_job(code: int, *, grace: bool = True) -> None:
     """
     if grace:
         flush_output()
-    try:
-        if not _mpi_can_start():
-            os._exit(code)
-        from mpi4py import MPI  # starts MPI if nothing did yet
-    except Exception:  # no MPI to end the job with: leave like any process
-        os._exit(code)
-    if MPI.Is_finalized():
+    MPI = _started_mpi()  # starts MPI if nothing did yet
+    if MPI is None or MPI.Is_finalized():  # no MPI to end the job with: leave like any process
         os._exit(code)
     MPI.COMM_WORLD.Abort(code)
     os._exit(code)  # MPICH's MPI_Abort was seen to return in a process with threads
 
 
-def _mpi_can_start() -> bool:
-    """Return False where MPI_Init would abort (``launcher.launcher_mismatch``)."""
-    return "mpi4py.MPI" in sys.modules or launcher_mismatch() is None
+def _started_mpi() -> Any:
+    """Return mpi4py.MPI, starting MPI if nothing did yet; None where it cannot start.
+
+    None: no MPI library, or one whose MPI_Init would abort (``launcher.launcher_mismatch``).
+    """
+    if "mpi4py.MPI" not in sys.modules and launcher_mismatch() is not None:
+        return None
+    try:
+        from mpi4py import MPI
+    except Exception:  # no MPI library, or one that failed to start
+        return None
+    return MPI

