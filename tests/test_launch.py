@@ -476,12 +476,13 @@ def test_train_gpt_learns_and_reports_validation_loss():
     assert losses[0] == losses[3]  # one model, whatever the level (float32, same reductions)
 
 
-@pytest.mark.parametrize("level", [0, 3])
-def test_dist_example_learns_real_digits(level):
-    """configs/digits.yaml: 1797 real handwritten digits, 20% held out; the held-out accuracy
-    goes from chance to above 85%, printed once before and once after training."""
-    result = run(2, ["scripts/distributed/dist_example.py", "--config", "configs/digits.yaml",
-                     f"zero_opt_level={level}"], timeout=300)
+@pytest.mark.parametrize("words", [[], ["--config", "configs/digits.yaml", "zero_opt_level=3"]])
+def test_dist_example_learns_real_digits(words):
+    """The README's main job as it is (dist_example's defaults), and configs/digits.yaml at
+    ZeRO-3: 1797 real handwritten digits, 20% held out; the held-out accuracy goes from chance
+    to above 85%, printed once before and once after training. (The default was synthetic
+    images on which 32 steps left the accuracy at chance: 0.10, then 0.12.)"""
+    result = run(2, ["scripts/distributed/dist_example.py", *words], timeout=300)
     assert result.returncode == 0, str(result)
     found = re.findall(r"^held-out accuracy ([\d.]+) \(359 samples\) after step (\d+)$",
                        result.output, re.M)

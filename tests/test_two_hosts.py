@@ -90,7 +90,7 @@ def test_dist_example_at_zero2_trains_on_two_hosts_as_on_one(hosts, tmp_path):
     assert "4 rank(s) on 2 node(s)" in two.output, str(two)
     one = run(4, args, timeout=TIMEOUT)
     assert one.returncode == 0 and "4 rank(s) on 1 node(s)" in one.output, str(one)
-    assert len(printed_numbers(one.output)) == 10, str(one)  # 4 epochs x 2 losses, 2 accuracies
+    assert len(printed_numbers(one.output)) == 22, str(one)  # 10 epochs x 2 losses, 2 accuracies
     assert printed_numbers(two.output) == printed_numbers(one.output), (
         f"two hosts:\n{two.output}\none host:\n{one.output}")
 

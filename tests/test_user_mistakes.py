@@ -52,7 +52,7 @@ def npz(path, x, y=None, **extra):
     return str(path)
 
 
-def images(n, shape=(3, 28, 28)):
+def images(n, shape=(1, 8, 8)):
     return np.zeros((n, *shape), np.float32)
 
 
@@ -105,14 +105,14 @@ MISTAKES = [
      ["data.npz", "missing array(s) ['y']"]),
     ("samples of another shape",
      lambda tmp: [f"data_path={npz(tmp / 'data.npz', np.zeros((64, 10)), np.zeros(64, int))}"],
-     ["data.npz", "(10,)", "input_shape", "[3, 28, 28]"]),
+     ["data.npz", "(10,)", "input_shape", "[1, 8, 8]"]),
     ("labels beyond the classes",
      lambda tmp: [f"data_path={npz(tmp / 'data.npz', images(64), np.arange(64) % 12)}"],
      ["data.npz", "label 11", "num_classes", "10"]),
     ("fewer samples than one batch",
      lambda tmp: [f"data_path={npz(tmp / 'data.npz', images(8), np.zeros(8, int))}"],
      ["8 samples", "batch_size", "64"]),
-    ("an input_shape that is no image", ["input_shape=[64]"],
+    ("an input_shape that is no image", ["dataset=synthetic", "input_shape=[64]"],
      ["input_shape", "got [64]", "[channels, height, width]"]),
     ("digits fewer than one batch", ["--config", "configs/digits.yaml", "batch_size=2000"],
      ["1438 samples", "batch_size 2000", "command line", "at most 1438"]),

@@ -254,7 +254,8 @@ class TrainConfig(_Validated):
                 f"{where('dataset', 'input_shape', 'num_classes')}: {TRAIN}.dataset digits holds "
                 f"8x8 grey images of 10 digits; got input_shape={list(values['input_shape'])}, "
                 f"num_classes={values['num_classes']}, expected input_shape [1, 8, 8] and "
-                "num_classes 10; set them so (configs/digits.yaml does)")
+                "num_classes 10; set them so, or dataset synthetic (or data_path) for other "
+                "images")
         if values["n_embd"] % values["n_head"]:
             raise UsageError(
                 f"{where('n_embd', 'n_head')}: {TRAIN}.n_head must divide {TRAIN}.n_embd; got "

@@ -2,10 +2,12 @@
 
     mpirun -np 4 python3 scripts/distributed/dist_example.py [--config FILE] [KEY=VALUE ...]
 
-The dicts below are this script's defaults: synthetic images labelled by a reference CNN of the
-same shape. ``--config configs/digits.yaml`` trains on 1797 real handwritten digits instead; a
-YAML file (--config) and KEY=VALUE words override the defaults (e.g. ``zero_opt_level=1
-optimizer=adam lr=0.001``). Rank 0 prints the training and distribution config, the mean loss
+The dicts below are this script's defaults: 1797 real handwritten 8x8 digits (shipped with
+meta_dist), on which the held-out accuracy rises from about 10% to about 92% in seconds.
+``dataset=synthetic`` trains on images of any ``input_shape`` labelled by a reference CNN of the
+same shape (to size a model; it learns little in a few steps), ``data_path=FILE.npz`` on your
+own. A YAML file (--config) and KEY=VALUE words override the defaults (e.g. ``zero_opt_level=1
+optimizer=sgd lr=0.05``). Rank 0 prints the training and distribution config, the mean loss
 of every epoch, the accuracy on held-out samples (20%, never trained on; none for a data_path
 file whose other 80% would hold less than one global batch: all of it trains) before and after
 training, and per rank the memory its ZeRO level should hold (from the partition plan), what it
@@ -29,14 +31,15 @@ from meta_dist.train.memory import HEADING, PeakMeter, format_memory
 from meta_dist.xp import to_numpy
 
 train_config = {
-    "n_epoch": 4,
-    "n_mini_batch": 8,
+    "n_epoch": 10,
+    "n_mini_batch": 22,
     "batch_size": 64,
-    "input_shape": [3, 28, 28],
+    "dataset": "digits",
+    "input_shape": [1, 8, 8],
     "num_classes": 10,
     "optimizer": "adam",
-    "lr": 0.0005,
-    "log_every": 4,
+    "lr": 0.01,
+    "log_every": 11,
 }
 meta_dist_config = {
     "enable_data_parallel": True,
