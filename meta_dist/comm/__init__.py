@@ -2,6 +2,15 @@
 
 Imports meta_dist.connector and the backend modules (NCCL lazily, so CPU-only machines never
 import cupy). ``make_communicator`` is the only place a backend name is turned into a class.
+
+One allreduce, from the call to the library, in reading order: ``meta_dist.allreduce``
+(distributed.py: the default context's communicator for the array) -> ``Communicator.allreduce``
+-> ``_run`` and ``_plan`` (base.py) -> ``plans.allreduce``, which checks the arguments on this
+rank (checks.py) and returns ``run`` -> ``CommThreads.run`` (worker.py: now, or behind queued
+async work, watched) calls it: ``_fingerprint`` (consistency.py: the ranks compare their calls)
+-> ``Fusion.fuse`` (fusion.py: one flat buffer; a single array is its own) ->
+``MpiCommunicator._allreduce`` (mpi_backend.py: MPI_Allreduce in place, or the pairwise exchange
+for large messages) -> ``_average`` (op "avg") -> ``Fusion.unpack`` (a packed list).
 """
 
 from __future__ import annotations
