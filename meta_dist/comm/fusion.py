@@ -10,8 +10,8 @@ buffer.
 from __future__ import annotations
 
 import operator
-import sys
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -45,7 +45,7 @@ class Fusion:
     def __init__(self, address: Callable[[Any], int], stages: bool = False) -> None:
         self.address, self.stages = address, stages
         self._buffers: dict[tuple[str, np.dtype, bool], Any] = {}
-        self._recycled: list[np.ndarray] = []  # large result buffers, see new_buffer
+        self._recycled: list[list[Any]] = []  # [memory, weakref to its result]: new_buffer
         self._copied: Any = None  # an event after the last copy from a pinned buffer
         self._lock = threading.Lock()  # recording an event and storing it: one step
 
@@ -140,19 +140,25 @@ class Fusion:
 
         The kernel zeroes every fresh page a large array first touches, and MPI registers each
         new address again; ``x = meta_dist.allreduce(x)`` frees such an array every call and
-        asks for another of the same size. A buffer here is handed out again only when this
-        list holds the sole reference (every view of it keeps it alive through ``.base``).
+        asks for another of the same size. Memory here is handed out again only when the array
+        last made over it has died: it is made through a memoryview, so numpy names it as the
+        base of every view of it (the chain of bases stops at an array over a non-array), and
+        a weak reference says when none is left. (Not sys.getrefcount: Python 3.14 borrows
+        references and counts fewer, which would hand out memory a user still holds.)
         """
         xp = array_module(like)
         if xp is not np or numel * like.itemsize < RECYCLE_MIN_BYTES:
             return xp.empty(numel, like.dtype)
-        for held in self._recycled:
-            # references: the list, ``held`` and getrefcount's argument; any more is a user's
-            if held.size == numel and held.dtype == like.dtype and sys.getrefcount(held) == 3:
-                return held[:]
-        held = np.empty(numel, like.dtype)
-        self._recycled = [*self._recycled[1 - RECYCLED_BUFFERS :], held]
-        return held[:]
+        for entry in self._recycled:
+            memory, handed = entry
+            if handed() is None and memory.size == numel and memory.dtype == like.dtype:
+                break
+        else:
+            entry = [np.empty(numel, like.dtype), None]
+            self._recycled = [*self._recycled[1 - RECYCLED_BUFFERS :], entry]
+        buffer = np.frombuffer(memoryview(entry[0]), like.dtype)
+        entry[1] = weakref.ref(buffer)
+        return buffer
 
     def outputs(self, like: Any, shapes: list[tuple[int, ...]],
                 numel: int) -> tuple[list[Any], Any]:
