@@ -262,11 +262,22 @@ def nan_skipping_op(op: str, dtype: np.dtype) -> MPI.Op:
 
 
 def _elementwise(ufunc: np.ufunc, dtype: np.dtype) -> Any:
-    """Return an MPI user-defined op's function: ``inout = ufunc(in, inout)`` on ``dtype``."""
+    """Return an MPI user-defined op's function: ``inout = ufunc(in, inout)`` on ``dtype``.
+
+    fmax and fmin return either argument on a tie (+0.0 and -0.0, or NaN on both; which one
+    depends on numpy's loop), and MPICH hands a commutative op its operands in either order:
+    ranks got +0.0 and -0.0 from one allreduce. A tie takes the same bits whichever comes
+    first: the lower pattern for fmax (+0.0), the higher for fmin (-0.0).
+    """
+    bits, pick = np.dtype(f"u{dtype.itemsize}"), np.minimum if ufunc is np.fmax else np.maximum
 
     def apply(inbuf: Any, inoutbuf: Any, datatype: MPI.Datatype) -> None:
-        inout = np.frombuffer(inoutbuf, dtype)
-        ufunc(np.frombuffer(inbuf, dtype), inout, out=inout)
+        got, inout = np.frombuffer(inbuf, dtype), np.frombuffer(inoutbuf, dtype)
+        tied = pick(got.view(bits), inout.view(bits))
+        tie = got == inout
+        ufunc(got, inout, out=inout)
+        tie |= np.isnan(inout)  # NaN on both: fmax and fmin skip a NaN on one side only
+        np.copyto(inout.view(bits), tied, where=tie)
 
     return apply
 

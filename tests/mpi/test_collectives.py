@@ -130,6 +130,23 @@ def test_max_and_min_skip_nan_whichever_rank_holds_it(reducer, connector, dtype,
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_max_and_min_ties_give_every_rank_the_same_bits(reducer, connector, dtype, op):
+    """+0.0 against -0.0, and nan against -nan (0/0 gives -nan on x86), tie in fmax and fmin,
+    which return their first argument; MPICH hands a commutative op its operands in either
+    order, so one allreduce left +0.0 on some ranks and -0.0 on others."""
+    comm = reducer
+    for n in (1, 7, 1001):
+        i = np.arange(n)
+        signs = np.where((i + comm.rank) % 2, -1.0, 1.0)  # each element's sign differs by rank
+        mine = np.copysign(np.where(i % 3 == 0, np.nan, 0.0), signs).astype(dtype)
+        got = comm.allreduce(mine, op)
+        np.testing.assert_array_equal(got.astype(np.float64), np.where(i % 3 == 0, np.nan, 0.0))
+        assert same_on_every_rank(connector, got), f"{n} elements: the ranks' bits differ"
+
+
+@pytest.mark.mpi(min_size=2)
 def test_float16_avg_fits_where_the_mean_fits(reducer, connector):
     """avg of float16 values near its largest (65504) is their mean, as ncclAvg gives: the
     sum of the ranks' values overflowed to inf first (fp16 gradients under a loss scale, so
