@@ -128,7 +128,7 @@ class Fusion:
     def copy(self, dst: Any, src: Any) -> None:
         """Copy ``src`` into ``dst`` (same shape), from a host buffer onto the device if staged."""
         if type(src) is np.ndarray and is_cupy_array(dst):
-            dst.set(np.ascontiguousarray(src))  # asynchronous: buffer() waits for it
+            dst.set(np.asarray(src, order="C"))  # keeps 0-d; asynchronous: buffer() waits
             with self._lock:  # one stream: the newest event covers every older copy
                 cupy = array_module(dst)
                 self._copied = mark(cupy, cupy.cuda.get_current_stream())

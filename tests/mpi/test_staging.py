@@ -131,6 +131,33 @@ def test_fused_lists_equal_the_host_result(scomm, comm, any_gpu, collective):  #
 
 
 @pytest.mark.gpu
+def test_zero_d_arrays_take_their_result(scomm, any_gpu):  # noqa: F811
+    """A 0-d device array given as out (or in place, or to recv) takes its value from the host
+    buffer: np.ascontiguousarray made the 0-d host part 1-d, and cupy's set refused it."""
+    n, rank = scomm.size, scomm.rank
+    total = n * (n + 1) / 2
+    x = any_gpu.full((), rank + 1.0)
+    assert scomm.allreduce(x, out=x) is x
+    np.testing.assert_array_equal(x.get(), total)
+    pair = [any_gpu.full((), rank + 1.0), any_gpu.full(2, rank + 1.0)]
+    out = [any_gpu.zeros(()), any_gpu.zeros(2)]
+    assert scomm.allreduce(pair, out=out) is out
+    np.testing.assert_array_equal(out[0].get(), total)
+    scomm.broadcast(pair, root=n - 1, out=pair)
+    np.testing.assert_array_equal(pair[0].get(), float(n))
+    y = any_gpu.full((), rank + 1.0)
+    assert scomm.reduce(y, root=n - 1, out=y) is (y if rank == n - 1 else None)
+    np.testing.assert_array_equal(y.get(), total if rank == n - 1 else rank + 1.0)
+    if n > 1 and rank < 2:
+        if rank == 0:
+            scomm.send(any_gpu.full((), 7.0), peer=1)
+        else:
+            got = any_gpu.zeros(())
+            assert scomm.recv(got, peer=0) is got
+            np.testing.assert_array_equal(got.get(), 7.0)
+
+
+@pytest.mark.gpu
 def test_calls_back_to_back_never_overwrite_a_pending_copy(scomm, any_gpu):  # noqa: F811
     """Off the root a broadcast's host buffer is written by MPI, not packed: it must wait for
     the previous call's copy back to the device. The caller's stream is kept busy before each
