@@ -32,7 +32,8 @@ def inputs(api: str, arrays: Any) -> tuple[list[Any], bool]:
     """Return ``(arrays as a list, whether a list was given)``; non-contiguous ones are copied.
 
     Raises:
-        TypeError: an item is not an array, has an unsupported dtype, or the dtypes differ.
+        TypeError: an item is not an array, has an unsupported dtype, or the dtypes differ;
+            a masked array (its mask would be ignored).
         ValueError: an empty list.
     """
     if (type(arrays) is np.ndarray and arrays.dtype in _DTYPE_SET
@@ -44,11 +45,12 @@ def inputs(api: str, arrays: Any) -> tuple[list[Any], bool]:
         raise ValueError(f"{api}: got an empty list; expected at least one array")
     first = items[0]
     kind, dtype = type(first), getattr(first, "dtype", None)
-    if hasattr(first, "flags") and dtype in _DTYPE_SET and all(  # one pass: lists can be long
+    masked = issubclass(kind, np.ma.MaskedArray)  # its mask would be ignored
+    if hasattr(first, "flags") and dtype in _DTYPE_SET and not masked and all(  # one pass
             type(a) is kind and a.dtype is dtype and a.flags.c_contiguous for a in items):
         return items, is_list
-    if not (hasattr(first, "shape") and hasattr(first, "flags") and dtype in _DTYPE_SET
-            and all(same_kind(a, first) and a.dtype == dtype for a in items)):
+    if masked or not (hasattr(first, "shape") and hasattr(first, "flags") and dtype in _DTYPE_SET
+                      and all(same_kind(a, first) and a.dtype == dtype for a in items)):
         _diagnose(api, items, is_list)
     xp = array_module(first)
     return [a if a.flags.c_contiguous else xp.ascontiguousarray(a) for a in items], is_list
@@ -71,6 +73,11 @@ def _diagnose(api: str, items: list[Any], is_list: bool) -> None:
             raise TypeError(f"{api}: a fused list must hold one kind of array; got "
                             f"{type(items[0]).__name__} (item 0) and {type(a).__name__} "
                             f"(item {i}); move them all to the host or all to the GPU")
+        if isinstance(a, np.ma.MaskedArray):
+            where = f" (item {i})" if is_list else ""
+            raise TypeError(f"{api}: got a masked array{where}, whose mask {api} would ignore; "
+                            "expected a plain array: pass a.filled(value), or np.ma.getdata(a) "
+                            "for the values under the mask too")
 
 
 def same_kind(a: Any, b: Any) -> bool:

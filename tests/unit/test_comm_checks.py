@@ -27,6 +27,9 @@ def test_inputs_returns_a_list_and_copies_only_non_contiguous_arrays():
      "op: a fused list must share one dtype; got float64 (item 0) and float32 (item 1)"),
     ([np.ones(2), np.ma.ones(2)], TypeError,
      "op: a fused list must hold one kind of array; got ndarray (item 0) and MaskedArray"),
+    (np.ma.masked_less(np.arange(3.0), 1), TypeError,
+     "op: got a masked array, whose mask op would ignore; expected a plain array"),
+    ([np.ma.ones(2), np.ma.ones(2)], TypeError, "op: got a masked array (item 0), whose mask"),
 ])
 def test_inputs_refusals_name_the_item(arrays, error, words):
     with pytest.raises(error) as err:
