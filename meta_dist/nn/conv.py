@@ -16,7 +16,7 @@ import types
 
 import numpy as np
 
-from meta_dist.nn.grad_blocks import write_grad
+from meta_dist.nn.grad_blocks import sum_rows, write_grad
 from meta_dist.nn.layers import Layer, _positive, _uniform
 from meta_dist.xp import array_module
 
@@ -157,15 +157,15 @@ class Conv2d(Layer):
         # which would copy the whole im2col matrix into a transposed layout first.
         def weight_rows(first: int, stop: int, out) -> None:
             per_sample = xp.matmul(d3[:, first:stop], self.cols.transpose(0, 2, 1))
-            if out.flags.c_contiguous:
-                per_sample.sum(axis=0, out=out.reshape(per_sample.shape[1:]))
+            if out.flags.c_contiguous:  # 16 bits: added up in float32, rounded once
+                sum_rows(per_sample, out.reshape(per_sample.shape[1:]))
             else:
-                out[...] = per_sample.sum(axis=0).reshape(out.shape)
+                out[...] = sum_rows(per_sample).reshape(out.shape)
 
         write_grad(grad_w, weight_rows)
         if "bias" in self.grads:
             write_grad(self.grads["bias"],
-                       lambda first, stop, out: d3[:, first:stop].sum(axis=(0, 2), out=out))
+                       lambda first, stop, out: sum_rows(d3[:, first:stop], out, (0, 2)))
         if not self.input_grad:
             return None
         dcols = xp.matmul(weight.reshape(self.out_channels, -1).T, d3)

@@ -66,15 +66,15 @@ def write_grad(grad: Any, rows_into: RowsInto) -> None:
         rows_into(0, grad.shape[0] if grad.ndim else 1, grad)
 
 
-def sum_rows(rows: Any, out: Any = None) -> Any:
-    """Return the sum of ``rows`` over axis 0 (written into ``out`` when given).
+def sum_rows(rows: Any, out: Any = None, axis: Any = 0) -> Any:
+    """Return the sum of ``rows`` over ``axis`` (written into ``out`` when given).
 
     16-bit values are added up in float32 and rounded once, as a 16-bit matmul accumulates:
     numpy adds them in 16 bits a row at a time (4096 ones in float16 sum to 2048).
     """
     if rows.dtype.itemsize >= 4:
-        return rows.sum(axis=0, out=out)
-    total = rows.sum(axis=0, dtype=np.float32)
+        return rows.sum(axis=axis, out=out)
+    total = rows.sum(axis=axis, dtype=np.float32)
     if out is None:
         return total.astype(rows.dtype)
     out[...] = total

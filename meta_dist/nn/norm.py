@@ -105,8 +105,8 @@ class BatchNorm(Layer):
         """Write dweight and dbias in place; return dx (through the batch stats in training)."""
         axes, bshape = self._axes_and_shape(dout)
         grad_w, grad_b = self.grads["weight"], self.grads["bias"]
-        (dout * self.xhat).sum(axis=axes, out=grad_w)
-        dout.sum(axis=axes, out=grad_b)
+        sum_rows(dout * self.xhat, grad_w, axes)  # 16 bits: in float32, rounded once
+        sum_rows(dout, grad_b, axes)
         scale = (self.params["weight"] * self.inv_std).reshape(bshape)
         if not self.used_batch_stats:
             return dout * scale

@@ -471,6 +471,30 @@ def test_16_bit_parameter_gradients_summed_over_rows_add_up_in_float32():
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_conv_and_batchnorm_gradients_add_up_in_float32(dtype):
+    """Conv2d's bias and weight and BatchNorm's weight and bias sum over the batch (and the
+    pixels) too: added in 16 bits, 4096 ones gave 2048 (bfloat16 256), so a CNN trained in
+    fp16 or bf16 (dist_example.py's) took these gradients too small. They add up in float32
+    and round once, as the sums over rows do."""
+    dtype = np.dtype(dtype) if dtype == "float16" else pytest.importorskip("ml_dtypes").bfloat16
+    conv = Conv2d(1, 2, 1, rng=np.random.default_rng(0), dtype=dtype)
+    conv.forward(np.ones((64, 1, 8, 8), dtype))  # 4096 values per channel
+    conv.backward(np.ones((64, 2, 8, 8), dtype))
+    np.testing.assert_array_equal(conv.grads["bias"].astype(np.float32), [4096, 4096])
+    conv.forward(np.ones((4096, 1, 1, 1), dtype))  # the weight's sum over 4096 samples
+    conv.backward(np.ones((4096, 2, 1, 1), dtype))
+    np.testing.assert_array_equal(conv.grads["weight"].astype(np.float32).ravel(), [4096, 4096])
+    norm = BatchNorm(2, dtype=dtype)
+    x = np.tile(np.array([[1], [-1]], dtype), (2048, 2))  # xhat = +-1, 4096 per channel
+    norm.forward(x)
+    norm.backward(np.ones_like(x))
+    np.testing.assert_array_equal(norm.grads["bias"].astype(np.float32), [4096, 4096])
+    norm.forward(x)
+    norm.backward(x)  # dout * xhat = 1 everywhere
+    np.testing.assert_allclose(norm.grads["weight"].astype(np.float32), [4096, 4096], rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_a_16_bit_embedding_gradient_adds_repeated_ids_in_float32(dtype):
     """Tokens seen 4000 and 1000 times: added one id at a time in float16 a gradient stopped at
     2048 (bfloat16 at 256), where PyTorch's embedding backward accumulates in float32."""
