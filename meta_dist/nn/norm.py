@@ -111,10 +111,12 @@ class BatchNorm(Layer):
         if not self.used_batch_stats:
             return dout * scale
         # dx = w/std * (dout - mean(dout) - xhat * mean(dout * xhat)); the two means are the
-        # grads just written, divided by the count, so no extra reductions are needed.
+        # grads just written, divided by the count, so no extra reductions are needed. In at
+        # least float32: a count above 65504 is inf in float16 (the means were 0).
         count = dout.size // self.num_features
-        return scale * (dout - grad_b.reshape(bshape) / count
-                        - self.xhat * (grad_w.reshape(bshape) / count))
+        mean_b, mean_w = ((g.astype(np.promote_types(g.dtype, np.float32)) / count).astype(
+            dout.dtype).reshape(bshape) for g in (grad_b, grad_w))
+        return scale * (dout - mean_b - self.xhat * mean_w)
 
 
 class LayerNorm(Layer):

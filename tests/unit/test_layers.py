@@ -494,6 +494,19 @@ def test_16_bit_conv_and_batchnorm_gradients_add_up_in_float32(dtype):
     np.testing.assert_allclose(norm.grads["weight"].astype(np.float32), [4096, 4096], rtol=1e-3)
 
 
+def test_a_float16_batchnorm_over_more_than_65504_values_per_channel_keeps_its_means():
+    """BatchNorm's dx subtracts the means of dout and dout * xhat, its gradients divided by
+    the count: a count above 65504 (64 images of 32x32) is inf in float16, so both means were
+    0 and dx was dout * w / std, as in eval mode, for every layer below. Here dout is the
+    constant 0.5, whose mean it is: dx is 0."""
+    norm = BatchNorm(1, dtype=np.float16)
+    x = np.tile(np.array([1, -1], np.float16), 35000).reshape(70000, 1)  # xhat = +-1
+    norm.forward(x)
+    dx = norm.backward(np.full_like(x, 0.5))
+    assert dx.dtype == np.float16
+    np.testing.assert_array_equal(dx, np.zeros_like(x))
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_a_16_bit_embedding_gradient_adds_repeated_ids_in_float32(dtype):
     """Tokens seen 4000 and 1000 times: added one id at a time in float16 a gradient stopped at
