@@ -34,6 +34,15 @@ def _check_labels(api: str, scores, labels) -> None:
                              f"expected every label in [0, {c - 1}]")
 
 
+def _in_float32(x):
+    """Return 16-bit floats as float32, as PyTorch's autocast takes losses.
+
+    ``1/N`` underflows float16 for large N, and a square overflows it past 256.
+    """
+    sixteen_bits = x.dtype.itemsize < 4 and (x.dtype.kind == "f" or x.dtype.name == "bfloat16")
+    return x.astype(np.float32) if sixteen_bits else x
+
+
 def softmax_cross_entropy(logits, labels):
     """Return the mean cross-entropy of ``softmax(logits)`` against integer labels, and its grad.
 
@@ -56,8 +65,7 @@ def softmax_cross_entropy(logits, labels):
     """
     _check_labels("softmax_cross_entropy", logits, labels)
     xp = array_module(logits)
-    if logits.dtype.itemsize < 4:
-        logits = logits.astype(np.float32)
+    logits = _in_float32(logits)
     n = logits.shape[0]
     rows = xp.arange(n)
     shifted = logits - logits.max(axis=1, keepdims=True)
@@ -107,7 +115,7 @@ def nll_loss(log_probs, labels):
 
     Returns:
         ``(loss, dlog_probs)``: a 0-d array, and an array that is ``-1/N`` at each sample's label
-        and 0 elsewhere.
+        and 0 elsewhere (16-bit input: both in float32, as for ``softmax_cross_entropy``).
 
     Raises:
         ValueError: log_probs are not 2-D, labels are not shape (N,), or (host arrays only) a
@@ -116,6 +124,7 @@ def nll_loss(log_probs, labels):
     """
     _check_labels("nll_loss", log_probs, labels)
     xp = array_module(log_probs)
+    log_probs = _in_float32(log_probs)
     n = log_probs.shape[0]
     rows = xp.arange(n)
     loss = xp.asarray(-log_probs[rows, labels].mean())
@@ -133,7 +142,8 @@ def mse_loss(pred, target):
 
     Returns:
         ``(loss, dpred)``: a 0-d array ``mean((pred - target)**2)``, and
-        ``2 * (pred - target) / pred.size``.
+        ``2 * (pred - target) / pred.size`` (16-bit pred: both in float32, as for
+        ``softmax_cross_entropy``; a 16-bit square overflows past 256).
 
     Raises:
         ValueError: the shapes differ.
@@ -142,7 +152,7 @@ def mse_loss(pred, target):
         raise ValueError(f"mse_loss: pred and target shapes differ; got {tuple(pred.shape)} and "
                          f"{tuple(target.shape)}, expected equal shapes")
     xp = array_module(pred)
-    diff = pred - target
+    diff = _in_float32(pred) - _in_float32(target)
     loss = xp.asarray((diff * diff).mean())
     dpred = diff * (2.0 / diff.size)
     return loss, dpred

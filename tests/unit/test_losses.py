@@ -118,3 +118,27 @@ def test_float16_logits_give_a_float32_gradient_for_the_loss_scale():
     scaled = (dlogits * np.float32(2.0**16)).astype(np.float16)
     assert not ((scaled == 0) & (exact != 0)).any()
     np.testing.assert_allclose(scaled, exact, rtol=2e-3, atol=1e-3)
+
+
+def _sixteen_bit(name):
+    if name == "bfloat16":
+        return np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
+    return np.dtype(name)
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+def test_16_bit_nll_and_mse_are_taken_in_float32(name):
+    """As softmax_cross_entropy: -1/N was held in 16 bits (float16: subnormal from N = 2**14,
+    0 from about 2**25; bfloat16 keeps 8 bits of it), and mse squared in 16 bits (float16: inf
+    past 256). Both come back in float32, for the loss scale to multiply before rounding."""
+    dtype = _sixteen_bit(name)
+    n = 3 * 2**14 + 5
+    log_probs = np.full((n, 2), -0.5, dtype)
+    loss, dlog_probs = nll_loss(log_probs, np.zeros(n, np.int64))
+    assert dlog_probs.dtype == np.float32 and loss == 0.5
+    np.testing.assert_array_equal(dlog_probs[:, 0], np.float32(-1.0 / n))
+    pred = np.array([300.0, -300.0, 1.5, 0.0]).astype(dtype)
+    loss, dpred = mse_loss(pred, np.zeros(4, dtype))
+    assert dpred.dtype == np.float32
+    np.testing.assert_allclose(float(loss), (2 * 300.0**2 + 1.5**2) / 4, rtol=1e-6)
+    np.testing.assert_allclose(dpred, [150.0, -150.0, 0.75, 0.0], rtol=1e-6)
