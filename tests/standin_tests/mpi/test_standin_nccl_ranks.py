@@ -163,6 +163,38 @@ def test_send_recv_in_a_group(cupy, nccl, world, my_gpu, unique_id):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_send_waits_for_its_receive(cupy, nccl, world, my_gpu, unique_id):
+    """api/p2p.html, ncclSend: "This operation is blocking for the GPU. If multiple ncclSend()
+    and ncclRecv() operations need to progress concurrently to complete, they must be fused
+    within a ncclGroupStart()/ncclGroupEnd() section": rank 0's send stays unfinished on its
+    stream until rank 1 receives, however small (two ranks each sending before receiving, in
+    groups of their own, deadlock on a GPU)."""
+    comm = nccl.NcclCommunicator(world.size, unique_id(), world.rank)
+    stream = cupy.cuda.get_current_stream()
+    if world.rank == 0:
+        x = cupy.full(COUNT, 7, cupy.int64)
+        nccl.groupStart()
+        comm.send(x.data.ptr, COUNT, nccl.NCCL_INT64, 1, stream.ptr)
+        nccl.groupEnd()
+        done = stream.record()
+        time.sleep(0.3)
+        unfinished = not done.done
+        world.Barrier()  # rank 1 receives only now
+        done.synchronize()
+        assert unfinished, "the send finished before its receive was posted"
+    elif world.rank == 1:
+        got = cupy.zeros(COUNT, cupy.int64)
+        world.Barrier()
+        nccl.groupStart()
+        comm.recv(got.data.ptr, COUNT, nccl.NCCL_INT64, 0, stream.ptr)
+        nccl.groupEnd()
+        assert got.get().tolist() == [7] * COUNT
+    else:
+        world.Barrier()
+    comm.destroy()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_two_ranks_on_one_gpu(cupy, nccl, world, unique_id, knobs):
     """gpu_facts.md 2: NCCL 2.5-2.29 refuse two ranks of one communicator on one GPU with
     ncclInvalidUsage (5); from 2.30 NCCL_MULTI_RANK_GPU_ENABLE=1 allows it; 2.30 without the

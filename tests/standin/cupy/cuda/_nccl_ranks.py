@@ -177,7 +177,11 @@ class Transport:
                 return {key: self._local.pop(key) for key in recvs}
         from mpi4py import MPI
 
-        requests = [self.comm.Isend(data, dest=peer, tag=tag) for peer, tag, data in sends]
+        # a point-to-point send (odd tag, NcclCommunicator._tag) completes only once its peer
+        # has matched it, however small: ncclSend "is blocking for the GPU" (api/p2p.html),
+        # where MPI's eager Isend would finish before the peer ever called ncclRecv
+        requests = [(self.comm.Issend if tag & 1 else self.comm.Isend)(data, dest=peer, tag=tag)
+                    for peer, tag, data in sends]
         pending, got = list(recvs), {}
         status, pause = MPI.Status(), 1e-5
         while pending or requests:
