@@ -284,6 +284,38 @@ def test_pinned_and_pageable_copies(cupy):
         assert other.get().tolist() == [1, 1, 1, 1]
 
 
+def test_freeing_pinned_memory_an_async_copy_uses(cupy):
+    """ndarray.set and get(blocking=False) hand cudaMemcpyAsync the page-locked array's address
+    only (cupy/_core/core.pyx: ``ptr = arr.ctypes.data``; copy_from_host_async); dropping the
+    last reference returns the block to CuPy's pinned memory pool, whose free blocks "are reused
+    for further memory allocations of the same size" (cupy.cuda.PinnedMemoryPool). A copy that
+    runs after its pinned array was freed is reported at the next CUDA call; one whose array
+    is kept (a view of it suffices) is not."""
+    import cupyx
+
+    s = cupy.cuda.Stream(non_blocking=True)
+    device = cupy.zeros(4)
+    s.wait_event(cupy.cuda.get_current_stream().record())
+    with s:
+        stall(s)
+        pinned = cupyx.empty_pinned(8)
+        pinned[...] = 3
+        device.set(pinned[2:6])  # a temporary view: the buffer itself stays
+        s.synchronize()
+        assert device.get().tolist() == [3, 3, 3, 3]
+        stall(s)
+        device.set(pinned[:4])
+        del pinned  # freed while the copy waits behind the stall
+        with pytest.raises(cupy.StandinRaceError, match="pinned host memory"):
+            s.synchronize()
+        stall(s)
+        out = cupyx.empty_pinned(4)
+        device.get(out=out, blocking=False)
+        del out
+        with pytest.raises(cupy.StandinRaceError, match="pinned host memory"):
+            s.synchronize()
+
+
 def test_blocking_get_waits_for_its_stream_only(cupy):
     """gpu_facts.md 5: get()/asnumpy synchronise the stream they copy on, not the device."""
     busy = cupy.cuda.Stream(non_blocking=True)

@@ -353,6 +353,12 @@ def _record(q: Queue, op: Op, regions: list[Region]) -> None:
         storage.accesses = kept
 
 
+def note_hazard(message: str) -> None:
+    """Report a misuse a stream worker found; it is raised at the next API call."""
+    with LOCK:
+        _HAZARDS.append(message)
+
+
 def note_free(storage: object, alloc_queue: Queue) -> None:
     """Check, as an allocation returns to its stream's pool, that no other stream still uses it.
 

@@ -66,10 +66,44 @@ def host_source(host: np.ndarray) -> Callable[[], np.ndarray]:
     CuPy copies it into a pinned staging buffer first, and cudaMemcpyAsync stages pageable
     memory before returning.
     """
-    if _memory.is_pinned(host):
-        return lambda: host
+    pinned = pinned_view(host, "copy host to device")
+    if pinned is not None:
+        return pinned
     staged = np.array(host, copy=True)
     return lambda: staged
+
+
+def pinned_view(host: np.ndarray, label: str) -> Callable[[], np.ndarray | None] | None:
+    """Return how an asynchronous copy reaches page-locked ``host`` when it runs (None when
+    ``host`` is pageable): its bytes if the pinned array is still referenced, else None.
+
+    CuPy hands cudaMemcpyAsync the address only (cupy/_core/core.pyx, ``set``/``get``) and
+    keeps no reference, so a pinned array dropped before the copy runs is back in CuPy's
+    pinned memory pool, free for "further memory allocations of the same size"
+    (cupy.cuda.PinnedMemoryPool): the copy would read or overwrite someone else's bytes. The
+    stand-in's copy holds the array weakly and reports such a copy at the next CUDA call.
+    """
+    found = _memory.pinned_owner(host)
+    if found is None:
+        return None
+    ref, offset = found
+    shape, strides, dtype, nbytes = host.shape, host.strides, host.dtype, host.nbytes
+
+    def view() -> np.ndarray | None:
+        owner = ref()
+        if owner is None:
+            _engine.note_hazard(
+                f"{label}: pinned host memory ({nbytes} bytes) was freed (its last reference "
+                f"dropped) before the asynchronous copy ran; CuPy passes only its address to "
+                f"cudaMemcpyAsync, and the pinned memory pool hands a freed block to the next "
+                f"allocation of its size; expected the pinned array kept alive until the "
+                f"stream has passed the copy (synchronize the stream or an event recorded "
+                f"after it)")
+            return None
+        flat = (owner if owner.flags.c_contiguous else owner.T).reshape(-1).view(np.uint8)
+        return np.ndarray(shape, dtype, buffer=flat, offset=offset, strides=strides)
+
+    return view
 
 
 def copy_to_device(host: np.ndarray, out: ndarray, *, q: _engine.Queue | None = None,
@@ -78,7 +112,9 @@ def copy_to_device(host: np.ndarray, out: ndarray, *, q: _engine.Queue | None = 
     source = host_source(host)
 
     def copy(dst: np.ndarray) -> None:
-        dst[...] = source()
+        data = source()
+        if data is not None:  # None: a freed pinned source, reported
+            dst[...] = data
 
     op = launch("copy host to device", copy, (), (out,), q=q)
     if blocking:
@@ -89,8 +125,13 @@ def copy_to_device(host: np.ndarray, out: ndarray, *, q: _engine.Queue | None = 
 def copy_to_host(arr: ndarray, host: np.ndarray, *, q: _engine.Queue,
                  blocking: bool) -> None:
     """Copy device array ``arr`` into ``host`` (same shape) on ``q``; wait if ``blocking``."""
+    pinned = pinned_view(host, "copy device to host")
+    target = (lambda: host) if pinned is None else pinned
+
     def copy(src: np.ndarray) -> None:
-        host[...] = src
+        out = target()
+        if out is not None:  # None: a freed pinned destination, reported
+            out[...] = src
 
     op = launch("copy device to host", copy, (arr,), (), q=q)
     if blocking:

@@ -224,15 +224,21 @@ def register_pinned(array: np.ndarray) -> None:
 
 def is_pinned(array: np.ndarray) -> bool:
     """Return True if all of ``array``'s bytes lie in page-locked memory."""
+    return pinned_owner(array) is not None
+
+
+def pinned_owner(array: np.ndarray) -> tuple[weakref.ref, int] | None:
+    """Return (a weak reference to the pinned array holding all of ``array``'s bytes, the
+    byte offset of ``array``'s data in it), or None when ``array`` is not page-locked."""
     if array.nbytes == 0:
-        return False
+        return None
     lo = array.__array_interface__["data"][0]
     with _engine.LOCK:
         process_dropped()
         for start, (end, ref) in _PINNED.items():
             if start <= lo < end and ref() is not None:
-                return lo + array.nbytes <= end
-    return False
+                return (ref, lo - start) if lo + array.nbytes <= end else None
+    return None
 
 
 def memory_info(device: int) -> tuple[int, int]:
