@@ -87,11 +87,13 @@ class Fusion:
         staged = self.stages and is_cupy_array(like)
         xp = np if staged else array_module(like)
         key = (xp.__name__, like.dtype, staged)
+        if staged and self._copied is not None:
+            # a copy to the device may still read the buffer, or the one a larger buffer
+            # replaces below: CuPy's pinned pool would hand that one out again at once
+            self._settle()
         buf = self._buffers.get(key)
         if buf is None or buf.size < numel:
             buf = self._buffers[key] = (_pinned if staged else xp.empty)(numel, like.dtype)
-        if staged and self._copied is not None:
-            self._settle()  # a copy to the device may still read the buffer
         return buf[:numel]
 
     def private(self, like: Any, numel: int, dtype: Any = None) -> Any:

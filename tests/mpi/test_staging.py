@@ -178,6 +178,20 @@ def test_calls_back_to_back_never_overwrite_a_pending_copy(scomm, any_gpu):  # n
 
 
 @pytest.mark.gpu
+def test_a_grown_buffer_outlives_the_copy_back_from_it(scomm, any_gpu, monkeypatch):  # noqa: F811
+    """ndarray.set hands cudaMemcpyAsync the pinned buffer's address only (cupy/_core/core.pyx),
+    and a freed pinned block goes back to CuPy's pinned memory pool for the next allocation of
+    its size (cupy.cuda.PinnedMemoryPool): when a call needs a larger host buffer, the smaller
+    one must stay referenced until the previous call's copy back from it has run. On the
+    stand-in every stream operation here waits 20 ms, so that copy is still pending."""
+    monkeypatch.setenv("META_DIST_STANDIN_DELAY_US", "20000:20000")
+    small = scomm.allreduce(any_gpu.ones(10, "float32"))
+    large = scomm.allreduce(any_gpu.ones(1000, "float32"))
+    np.testing.assert_array_equal(small.get(), np.full(10, scomm.size, np.float32))
+    np.testing.assert_array_equal(large.get(), np.full(1000, scomm.size, np.float32))
+
+
+@pytest.mark.gpu
 def test_async_collectives_and_a_blocking_one_behind_them(scomm, any_gpu):  # noqa: F811
     n = scomm.size
     a = any_gpu.full(100, float(scomm.rank))
