@@ -13,6 +13,7 @@ are never waited for by the host.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -71,6 +72,11 @@ class CommStream:
     def __init__(self) -> None:
         self.streams: dict[int, Any] = {}
         self._lock = threading.Lock()
+        # (done event, call) of each call whose device work may be unfinished, oldest first:
+        # the call holds what its work reads (a fused list's arrays and their contiguous
+        # copies, made on the caller's stream), and CuPy's pool hands a freed block to the next
+        # allocation on the stream it came from at once (per-stream arenas)
+        self._held: deque[tuple[Any, Any]] = deque()
 
     def place(self, run: Callable[[], Any], device: int) -> Callable[[], Any]:
         """Return ``run`` to be run on GPU ``device``'s stream after the caller's work.
@@ -90,6 +96,10 @@ class CommStream:
                 with stream:
                     result = run()
                 ticket.done = mark(cupy, stream)
+                with self._lock:
+                    while self._held and self._held[0][0].done:
+                        self._held.popleft()
+                    self._held.append((ticket.done, run))
             return result
 
         on_stream.after = ticket.after  # type: ignore[attr-defined]

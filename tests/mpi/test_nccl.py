@@ -318,6 +318,27 @@ def test_fused_lists(ncomm, gpu, collective):
 
 
 @pytest.mark.gpu
+def test_async_list_keeps_its_contiguous_copies_until_read(ncomm, gpu, monkeypatch):
+    """A strided array in a fused list is copied when the call is made, on the caller's stream,
+    and read by the packing on the communicator's stream after the call has been handed over.
+    CuPy's pool gives a freed block to the next allocation on the stream it was allocated on
+    (per-stream arenas, cupy/cuda/memory.pyx), so the copy must stay referenced until the
+    caller's stream has waited for that read, whatever the caller does before ``wait()``. On
+    the stand-in every stream operation here waits 20 ms: the packing is still pending when
+    the call's thread has finished with it."""
+    monkeypatch.setenv("META_DIST_STANDIN_DELAY_US", "20000:20000")
+    strided = gpu.arange(20, dtype=gpu.float32)[::2]
+    handle = ncomm.allreduce_async([strided, gpu.ones(3, gpu.float32)])
+    while not handle.done():
+        time.sleep(0.001)
+    scratch = gpu.zeros(10, gpu.float32)  # the caller's next allocation
+    got = handle.wait()
+    np.testing.assert_array_equal(got[0].get(), ncomm.size * np.arange(0, 20, 2))
+    np.testing.assert_array_equal(got[1].get(), np.full(3, ncomm.size, np.float32))
+    assert scratch.shape == (10,)
+
+
+@pytest.mark.gpu
 def test_async_barrier_and_host_arrays(ncomm, gpu):
     a = gpu.full(100, float(ncomm.rank))
     handles = [ncomm.allreduce_async(a), ncomm.broadcast_async(a, root=0)]
