@@ -305,11 +305,27 @@ class NcclCommunicator(Communicator):
         return done
 
     def _host_wait(self, done: Any) -> None:
-        """Wait on the host for ``done`` (the watchdog, if any, ends a stall)."""
+        """Wait on the host for ``done`` (the watchdog, if any, ends a stall).
+
+        Without a watchdog this wait polls NCCL's asynchronous error itself: an operation hit
+        by one "will usually not progress and never complete", and "when waiting for NCCL
+        operations to complete, applications should call ncclCommGetAsyncError and destroy
+        the communicator when an error happens" (NCCL user guide, usage/communicators.html).
+
+        Raises:
+            RuntimeError: NCCL reported an asynchronous error (the communicator is aborted).
+        """
         if done is None:
             return
-        pause = 1e-5
+        pause, polls = 1e-5, self._threads.watchdog is None
         while not done.done:
+            if polls:
+                try:
+                    self._comm.check_async_error()
+                except Exception as error:  # NcclError, or KeyError for statuses CuPy lacks
+                    self._abort()
+                    raise RuntimeError(f"NCCL reported an error on rank {self.rank}: "
+                                       f"{_describe(error)}; {ABORTED}") from error
             time.sleep(pause)  # a host core spinning here would slow the peers sharing it
             pause = min(2 * pause, 1e-3)
 

@@ -339,6 +339,43 @@ def test_async_list_keeps_its_contiguous_copies_until_read(ncomm, gpu, monkeypat
 
 
 @pytest.mark.gpu
+def test_an_async_nccl_error_ends_a_barrier_without_a_watchdog(connector, gpu, monkeypatch):
+    """NCCL user guide, usage/communicators.html, "Asynchronous errors and error handling":
+    "Operations experiencing an asynchronous error will usually not progress and never
+    complete. [...] When waiting for NCCL operations to complete, applications should call
+    ncclCommGetAsyncError and destroy the communicator when an error happens." With no stall
+    watchdog to poll it, the host's own waits (barrier) must. Only the stand-in can inject the
+    error (every rank's first NCCL call fails with status 3); on a real GPU this skips."""
+    if not getattr(gpu, "__standin__", False):
+        pytest.skip("an asynchronous NCCL error can be injected only on the stand-in")
+    monkeypatch.setenv("META_DIST_STANDIN_NCCL_ASYNC_ERROR", f"{connector.rank}:1:3")
+    monkeypatch.delenv("META_DIST_STALL_TIMEOUT", raising=False)
+    comm = make_communicator("nccl", connector, stall_timeout=None)
+    outcome = []
+
+    def barrier():
+        try:
+            comm.barrier()
+            outcome.append("returned")
+        except RuntimeError as error:
+            outcome.append(str(error))
+
+    waiter = threading.Thread(target=barrier, daemon=True)
+    waiter.start()
+    waiter.join(10)
+    hung = waiter.is_alive()
+    if hung:  # ncclCommAbort ends the wait, so the next tests can run
+        comm._abort()
+        waiter.join(10)
+    # the aborted call ends on the device after ncclCommAbort returns: let it, before close()
+    # drops the buffers it used (the stand-in reports a free under unfinished work)
+    gpu.cuda.Device(comm.device).synchronize()
+    comm.close()
+    assert not hung, "barrier waited forever on an NCCL call that had failed asynchronously"
+    assert "NCCL reported an error" in outcome[0] and "internal error" in outcome[0], outcome
+
+
+@pytest.mark.gpu
 def test_async_barrier_and_host_arrays(ncomm, gpu):
     a = gpu.full(100, float(ncomm.rank))
     handles = [ncomm.allreduce_async(a), ncomm.broadcast_async(a, root=0)]
