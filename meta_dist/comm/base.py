@@ -257,6 +257,7 @@ class Communicator(ABC):
         self.fusion.clear()
         try:
             self._close_backend()  # still watched: it may wait for device work
+            self.stream.release()  # the last calls' arrays, held until their device work ends
         finally:  # whatever the backend did, this communicator is done
             if self._threads.watchdog in self.connector.watchdogs:
                 self.connector.watchdogs.remove(self._threads.watchdog)
@@ -319,8 +320,7 @@ class Communicator(ABC):
         """Return ``make(self, *args)`` (``advised`` for ``advise``), placed on its arrays' GPU.
 
         A call on CuPy arrays is planned, and later run (``comm.streams``), on the arrays' GPU,
-        whichever device is current: what the plan makes (results for ``out=None``,
-        contiguous copies) lands there.
+        whatever device is current: what the plan makes (new results, copies) lands there.
         """
         arrays = args[0]
         first = arrays[0] if isinstance(arrays, (list, tuple)) and arrays else arrays

@@ -105,6 +105,13 @@ class CommStream:
         on_stream.after = ticket.after  # type: ignore[attr-defined]
         return on_stream
 
+    def release(self) -> None:
+        """Wait for the calls' device work, then drop what they held (the communicator closes)."""
+        with self._lock:
+            held, self._held = self._held, deque()
+        for done, _ in held:
+            done.synchronize()
+
     def _stream(self, cupy: Any, device: int) -> Any:
         with self._lock:
             stream = self.streams.get(device)

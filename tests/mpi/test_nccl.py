@@ -11,6 +11,7 @@ device.
 import os
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -373,6 +374,20 @@ def test_an_async_nccl_error_ends_a_barrier_without_a_watchdog(connector, gpu, m
     comm.close()
     assert not hung, "barrier waited forever on an NCCL call that had failed asynchronously"
     assert "NCCL reported an error" in outcome[0] and "internal error" in outcome[0], outcome
+
+
+@pytest.mark.gpu
+def test_close_lets_go_of_the_last_calls_arrays(connector, gpu):
+    """The comm stream holds each call's arrays until its device work is done; at close it
+    waits for that work and lets them go, so a closed communicator that is still referenced
+    (a trainer's, say) keeps no GPU memory of its last call alive."""
+    comm = make_communicator("nccl", connector)
+    x = gpu.ones(4, gpu.float32)
+    comm.allreduce([x, gpu.ones(3, gpu.float32)])
+    seen = weakref.ref(x)
+    comm.close()
+    del x
+    assert seen() is None
 
 
 @pytest.mark.gpu
