@@ -39,8 +39,7 @@ def _in_float32(x):
 
     ``1/N`` underflows float16 for large N, and a square overflows it past 256.
     """
-    sixteen_bits = x.dtype.itemsize < 4 and (x.dtype.kind == "f" or x.dtype.name == "bfloat16")
-    return x.astype(np.float32) if sixteen_bits else x
+    return x if x.dtype.itemsize >= 4 else x.astype(np.float32)
 
 
 def softmax_cross_entropy(logits, labels):

@@ -114,8 +114,8 @@ class BatchNorm(Layer):
         # grads just written, divided by the count, so no extra reductions are needed. In at
         # least float32: a count above 65504 is inf in float16 (the means were 0).
         count = dout.size // self.num_features
-        mean_b, mean_w = ((g.astype(np.promote_types(g.dtype, np.float32)) / count).astype(
-            dout.dtype).reshape(bshape) for g in (grad_b, grad_w))
+        mean_b, mean_w = (((g if g.dtype.itemsize >= 4 else g.astype(np.float32)) / count)
+                          .astype(dout.dtype).reshape(bshape) for g in (grad_b, grad_w))
         return scale * (dout - mean_b - self.xhat * mean_w)
 
 
