@@ -66,6 +66,15 @@ def write_grad(grad: Any, rows_into: RowsInto) -> None:
         rows_into(0, grad.shape[0] if grad.ndim else 1, grad)
 
 
+def in_float32(x: Any) -> Any:
+    """Return 16-bit floats as float32 (wider arrays as they are), for arithmetic 16 bits lose.
+
+    Squares overflow float16 past 256, ``1/N`` underflows it for large N, and a count past
+    65504 is inf; PyTorch's autocast takes losses and norms in float32 for the same reasons.
+    """
+    return x if x.dtype.itemsize >= 4 else x.astype(np.float32)
+
+
 def sum_rows(rows: Any, out: Any = None, axis: Any = 0) -> Any:
     """Return the sum of ``rows`` over ``axis`` (written into ``out`` when given).
 

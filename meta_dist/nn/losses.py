@@ -1,15 +1,16 @@
 """Loss functions returning ``(loss, dinput)``: softmax cross-entropy, NLL and mean squared error.
 
-Leaf module: imports numpy and ``meta_dist.xp`` only; the trainer and the tests import it.
-Each loss is the mean over the batch (axis 0; every token for ``cross_entropy_tokens``) and is
-returned as a 0-d array of the input's array module, never a Python float: converting would
-force a host sync on the GPU every step.
+Leaf module: imports numpy, ``meta_dist.xp`` and ``nn.grad_blocks`` only; the trainer and the
+tests import it. Each loss is the mean over the batch (axis 0; every token for
+``cross_entropy_tokens``) and is returned as a 0-d array of the input's array module, never a
+Python float: converting would force a host sync on the GPU every step.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from meta_dist.nn.grad_blocks import in_float32
 from meta_dist.xp import array_module, is_cupy_array
 
 
@@ -34,14 +35,6 @@ def _check_labels(api: str, scores, labels) -> None:
                              f"expected every label in [0, {c - 1}]")
 
 
-def _in_float32(x):
-    """Return 16-bit floats as float32, as PyTorch's autocast takes losses.
-
-    ``1/N`` underflows float16 for large N, and a square overflows it past 256.
-    """
-    return x if x.dtype.itemsize >= 4 else x.astype(np.float32)
-
-
 def softmax_cross_entropy(logits, labels):
     """Return the mean cross-entropy of ``softmax(logits)`` against integer labels, and its grad.
 
@@ -64,7 +57,7 @@ def softmax_cross_entropy(logits, labels):
     """
     _check_labels("softmax_cross_entropy", logits, labels)
     xp = array_module(logits)
-    logits = _in_float32(logits)
+    logits = in_float32(logits)
     n = logits.shape[0]
     rows = xp.arange(n)
     shifted = logits - logits.max(axis=1, keepdims=True)
@@ -123,7 +116,7 @@ def nll_loss(log_probs, labels):
     """
     _check_labels("nll_loss", log_probs, labels)
     xp = array_module(log_probs)
-    log_probs = _in_float32(log_probs)
+    log_probs = in_float32(log_probs)
     n = log_probs.shape[0]
     rows = xp.arange(n)
     loss = xp.asarray(-log_probs[rows, labels].mean())
@@ -151,7 +144,7 @@ def mse_loss(pred, target):
         raise ValueError(f"mse_loss: pred and target shapes differ; got {tuple(pred.shape)} and "
                          f"{tuple(target.shape)}, expected equal shapes")
     xp = array_module(pred)
-    diff = _in_float32(pred) - _in_float32(target)
+    diff = in_float32(pred) - in_float32(target)
     loss = xp.asarray((diff * diff).mean())
     dpred = diff * (2.0 / diff.size)
     return loss, dpred

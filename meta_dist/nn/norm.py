@@ -15,7 +15,7 @@ import types
 
 import numpy as np
 
-from meta_dist.nn.grad_blocks import sum_rows, write_grad
+from meta_dist.nn.grad_blocks import in_float32, sum_rows, write_grad
 from meta_dist.nn.layers import Layer, _check_last_axis, _positive
 from meta_dist.xp import array_module
 
@@ -80,7 +80,7 @@ class BatchNorm(Layer):
         xp = array_module(x)
         axes, bshape = self._axes_and_shape(x)
         self.used_batch_stats = self.training
-        wide = x if x.dtype.itemsize >= 4 else x.astype(np.float32)  # float16 squares overflow
+        wide = in_float32(x)  # float16 squares overflow
         if self.training:
             count = x.size // self.num_features
             if count < 2:
@@ -114,8 +114,8 @@ class BatchNorm(Layer):
         # grads just written, divided by the count, so no extra reductions are needed. In at
         # least float32: a count above 65504 is inf in float16 (the means were 0).
         count = dout.size // self.num_features
-        mean_b, mean_w = (((g if g.dtype.itemsize >= 4 else g.astype(np.float32)) / count)
-                          .astype(dout.dtype).reshape(bshape) for g in (grad_b, grad_w))
+        mean_b, mean_w = ((in_float32(g) / count).astype(dout.dtype).reshape(bshape)
+                          for g in (grad_b, grad_w))
         return scale * (dout - mean_b - self.xhat * mean_w)
 
 
@@ -159,7 +159,7 @@ class LayerNorm(Layer):
         """
         _check_last_axis("LayerNorm.forward", x, self.dim)
         xp = array_module(x)
-        wide = x if x.dtype.itemsize >= 4 else x.astype(np.float32)  # float16 squares overflow
+        wide = in_float32(x)  # float16 squares overflow
         centered = wide - wide.mean(axis=-1, keepdims=True)
         var = (centered * centered).mean(axis=-1, keepdims=True)
         inv_std = 1.0 / xp.sqrt(var + self.eps)
